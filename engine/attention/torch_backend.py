@@ -1,0 +1,121 @@
+"""The `torch` attention backend: plain PyTorch over the paged cache.
+
+It is the reference the Triton kernels are tested against and the backend used on the
+CPU. The three functions below are the references; `TorchAttentionBackend` wires them in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+
+
+def store_kv_reference(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, Hkv, D]."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    return cache[block_table[:nblocks].long()].reshape(-1, *cache.shape[2:])[:length]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    # q [B, Hq, L, D], k/v [B, Hkv, S, D]; GQA by repeating KV heads.
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def prefill_attention_reference(
+    query: torch.Tensor,  # [Tq, Hq, D], the prefill tokens only
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: list[int],  # [P+1] over the prefill tokens
+    seq_lens: list[int],  # [P] context length after the chunk
+    block_tables: torch.Tensor,  # [P, max_blocks]
+    scale: float,
+) -> torch.Tensor:
+    """Each chunk attends to its cached prefix and causally to itself."""
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        qlen = end - start
+        prefix = seq_len - qlen
+        k = gather_context(k_cache, block_tables[i], seq_len)
+        v = gather_context(v_cache, block_tables[i], seq_len)
+        q = query[start:end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, Hq, L, D]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        v = v.transpose(0, 1).unsqueeze(0)
+        if prefix == 0:
+            o = _sdpa(q, k, v, scale, causal=qlen > 1)
+        else:
+            qpos = torch.arange(prefix, seq_len).unsqueeze(1)
+            kpos = torch.arange(seq_len).unsqueeze(0)
+            o = _sdpa(q, k, v, scale, mask=kpos <= qpos)
+        out[start:end] = o[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+def decode_attention_reference(
+    query: torch.Tensor,  # [B, Hq, D], one token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B] int
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence over its whole cached context (padded batch + mask)."""
+    b = query.shape[0]
+    bs = k_cache.shape[1]
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    nblocks = (max_len + bs - 1) // bs
+    table = block_tables[:b, :nblocks].long()
+    k = k_cache[table].reshape(b, nblocks * bs, *k_cache.shape[2:]).transpose(1, 2)
+    v = v_cache[table].reshape(b, nblocks * bs, *v_cache.shape[2:]).transpose(1, 2)
+    mask = torch.arange(nblocks * bs, device=query.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+    q = query.unsqueeze(2).to(k.dtype)  # [B, Hq, 1, D]
+    o = _sdpa(q, k, v, scale, mask=mask[:, None, None, :])
+    return o[:, :, 0].to(query.dtype)
+
+
+@register_backend
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return decode_attention_reference(
+                query, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                max(meta.seq_lens_cpu))
+        out = torch.empty_like(query)
+        if nd:
+            out[:nd] = decode_attention_reference(
+                query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], scale,
+                max(meta.seq_lens_cpu[:nd]))
+        qsl = [x - nd for x in meta.query_start_loc.tolist()[nd:]]
+        out[nd:] = prefill_attention_reference(
+            query[nd:], k_cache, v_cache, qsl, meta.seq_lens_cpu[nd:], meta.block_tables[nd:],
+            scale)
+        return out

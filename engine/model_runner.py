@@ -1,0 +1,115 @@
+"""The model runner: turns a SchedulerOutput into tensors, runs the forward, samples.
+
+It owns the model weights, the paged KV cache and the attention backend; it knows nothing
+about queues or requests beyond the batch it is handed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.kv_cache import PagedKVCache
+from engine.llama import LlamaModel
+from engine.sampler import SampleRow, sample
+from engine.scheduler import ScheduledSeq
+from engine.sequence import TokenLogprobs
+
+# Called after every layer with (layer index, the sequences whose prompt completes this step).
+KVLayerHook = Callable[[int, list[ScheduledSeq]], None]
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling: list[ScheduledSeq]  # rows of logits_indices, in order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, backend: AttentionBackend,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.eos_token_ids = eos_token_ids
+        self.block_size = kv_cache.spec.block_size
+        self.device = model.device
+
+    def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        sampling: list[ScheduledSeq] = []
+        max_blocks = 1
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            tokens = seq.all_token_ids
+            ids.extend(tokens[start:start + n])
+            pos.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            max_blocks = max(max_blocks, len(table))
+            if s.samples:
+                logits_idx.append(qsl[-1] - 1)
+                sampling.append(s)
+        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for i, s in enumerate(scheduled):
+            tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table,
+                                                              dtype=torch.int32)
+        dev = self.device
+        query_lens = [s.num_new_tokens for s in scheduled]
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return BatchInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            sampling=sampling,
+        )
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq], layer_hook: KVLayerHook | None = None
+            ) -> list[tuple[ScheduledSeq, int, TokenLogprobs | None]]:
+        """Forward the batch; sample a token for every sequence that reached its end."""
+        batch = self.prepare(scheduled)
+        hook = None
+        if layer_hook is not None and batch.sampling:
+            sampling = batch.sampling
+
+            def hook(layer: int) -> None:
+                layer_hook(layer, sampling)
+
+        logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
+                                    self.backend, batch.logits_indices, hook)
+        if not batch.sampling:
+            return []
+        rows = [SampleRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids,
+                          self.eos_token_ids) for s in batch.sampling]
+        results = sample(logits.cpu(), rows)
+        return [(s, tok, lp) for s, (tok, lp) in zip(batch.sampling, results)]
