@@ -1,0 +1,28 @@
+"""Moving paged KV blocks from a prefill worker to a decode worker.
+
+The layout being moved is `engine.kv_cache.KVCacheSpec`'s: per layer, K and V of shape
+`[num_blocks, block_size, kv_heads, head_dim]`. A transfer fills one reservation that the
+decode worker made before any prefill work began.
+
+- `wire`: the chunk format (header + raw K then V bytes + CRC32) and its validation.
+- `sink`: `KVSink`, what the decode engine implements to receive KV, and `KVCommitInfo`.
+- `memory_sink`: `InMemoryKVSink`, a real sink over a `PagedKVCache` (tests, warm-up).
+- `receiver`: `KVTransferService`, the `KVTransfer.Push` servicer hosted by decode workers.
+- `transport`: the sender interface prefill workers use (`KVTransport`, `KVPushStream`).
+- `grpc_sender`: `GrpcKVTransport`, the gRPC streaming implementation of it.
+"""
+
+from kvtransfer.sink import KVCommitInfo, KVSink
+from kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
+from kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, KVChunkError
+
+__all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "KVChunkError",
+    "KVCommitInfo",
+    "KVPushStream",
+    "KVSink",
+    "KVTransferError",
+    "KVTransport",
+    "PushResult",
+]

@@ -1,0 +1,208 @@
+"""`GrpcKVTransport`: KV push over a gRPC client stream (`KVTransfer.Push`).
+
+One channel per destination address, shared by every stream to it. Each stream is one
+`Push` call started with `.future()`: gRPC's request-consumer thread pulls from a queue
+fed by `push_layer`, encodes each layer into chunks (`kvtransfer.wire`) and sends them, so
+the compute thread only enqueues. Messages of `max_chunk_bytes` payload must fit the
+receiving server's `grpc.max_receive_message_length` (4 MiB by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from engine.kv_cache import KVCacheSpec
+from kvtransfer.sink import KVCommitInfo
+from kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
+from kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, commit_to_proto, encode_layer
+from protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_END = object()  # queue sentinel: half-close the request stream
+
+
+@dataclass(frozen=True)
+class _Layer:
+    layer: int
+    block_indices: list[int]
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class GrpcKVPushStream(KVPushStream):
+    def __init__(
+        self, stub: kvtransfer_pb2_grpc.KVTransferStub, dest_address: str,
+        reservation_id: str, spec: KVCacheSpec, max_chunk_bytes: int,
+        timeout_s: float | None, abort_wait_s: float,
+    ) -> None:
+        self.dest_address = dest_address
+        self.reservation_id = reservation_id
+        self._spec = spec
+        self._max_chunk_bytes = max_chunk_bytes
+        self._abort_wait_s = abort_wait_s
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._closed = False  # commit() or abort() was called
+        self._aborting = False
+        self._encode_error: BaseException | None = None
+        self._num_chunks = 0  # written only by the consumer thread
+        self._bytes_sent = 0
+        self._t_open = time.perf_counter()
+        self._future = stub.Push.future(self._requests(), timeout=timeout_s)
+        # unblock the consumer thread whatever ends the call
+        self._future.add_done_callback(lambda _: self._queue.put(_END))
+
+    # -- runs on gRPC's request-consumer thread ------------------------------------------
+
+    def _requests(self) -> Iterator[kvtransfer_pb2.KVMessage]:
+        try:
+            while (item := self._queue.get()) is not _END:
+                if isinstance(item, _Layer):
+                    if self._aborting:
+                        continue
+                    for chunk in encode_layer(
+                        self.reservation_id, item.layer, item.block_indices, item.k, item.v,
+                        first_seq=self._num_chunks, max_chunk_bytes=self._max_chunk_bytes,
+                    ):
+                        self._num_chunks += 1
+                        self._bytes_sent += len(chunk.payload)
+                        yield kvtransfer_pb2.KVMessage(chunk=chunk)
+                elif isinstance(item, KVCommitInfo):
+                    yield kvtransfer_pb2.KVMessage(
+                        commit=commit_to_proto(self.reservation_id, self._num_chunks, item))
+                else:
+                    assert isinstance(item, kvtransfer_pb2.KVAbort)
+                    yield kvtransfer_pb2.KVMessage(abort=item)
+        except Exception as e:  # gRPC would only say "Exception iterating requests"
+            self._encode_error = e
+            raise
+
+    # -- KVPushStream --------------------------------------------------------------------
+
+    def push_layer(
+        self, layer: int, block_indices: Sequence[int], k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+    ) -> None:
+        if self._closed:
+            raise RuntimeError(f"push_layer after commit/abort of {self.reservation_id}")
+        spec = self._spec
+        n = len(block_indices)
+        shape = (n, *spec.block_shape)
+        if not 0 <= layer < spec.num_layers:
+            raise ValueError(f"layer {layer} not in [0, {spec.num_layers})")
+        for name, t in (("k_blocks", k_blocks), ("v_blocks", v_blocks)):
+            if tuple(t.shape) != shape or t.dtype != spec.torch_dtype:
+                raise ValueError(
+                    f"{name} is {tuple(t.shape)} {t.dtype}, expected {shape} {spec.torch_dtype}"
+                )
+        if self._future.done():
+            return  # already failed; commit() reports why
+        self._queue.put(_Layer(layer, [int(i) for i in block_indices], k_blocks, v_blocks))
+
+    def commit(self, info: KVCommitInfo, timeout_s: float | None = None) -> PushResult:
+        if self._closed:
+            raise RuntimeError(f"commit after commit/abort of {self.reservation_id}")
+        self._closed = True
+        self._queue.put(info)
+        self._queue.put(_END)
+        try:
+            ack = self._future.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            self._future.cancel()
+            raise KVTransferError(
+                f"KV push of {self.reservation_id} to {self.dest_address}: no ack within "
+                f"{timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from None
+        except grpc.RpcError as e:
+            raise self._error(e) from e
+        return PushResult(
+            reservation_id=ack.reservation_id,
+            num_chunks=self._num_chunks,
+            bytes_sent=self._bytes_sent,
+            push_s=time.perf_counter() - self._t_open,
+        )
+
+    def abort(self, reason: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._aborting = True
+        if self._future.done():
+            return
+        self._queue.put(kvtransfer_pb2.KVAbort(reservation_id=self.reservation_id,
+                                               reason=reason))
+        self._queue.put(_END)
+        try:
+            self._future.result(timeout=self._abort_wait_s)
+        except grpc.FutureTimeoutError:
+            self._future.cancel()  # the receiver frees the reservation on cancellation too
+        except grpc.RpcError:
+            pass  # CANCELLED is the expected answer to KVAbort
+
+    @property
+    def failed(self) -> bool:
+        if not self._future.done():
+            return False
+        return self._future.cancelled() or self._future.exception() is not None
+
+    def _error(self, e: grpc.RpcError) -> KVTransferError:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        details = e.details() if isinstance(e, grpc.Call) else str(e)
+        if self._encode_error is not None:
+            details = f"{details} (encoding failed: {self._encode_error!r})"
+        name = code.name if code is not None else "UNKNOWN"
+        return KVTransferError(
+            f"KV push of {self.reservation_id} to {self.dest_address} failed: {name}: "
+            f"{details}", code,
+        )
+
+
+class GrpcKVTransport(KVTransport):
+    """Thread-safe; one instance per prefill worker."""
+
+    def __init__(
+        self,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        *,
+        timeout_s: float | None = None,
+        abort_wait_s: float = 5.0,
+        channel_options: Sequence[tuple[str, object]] = (),
+    ) -> None:
+        """timeout_s: deadline of a whole push (open to ack); None for none."""
+        if max_chunk_bytes < 1:
+            raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
+        self.max_chunk_bytes = max_chunk_bytes
+        self._timeout_s = timeout_s
+        self._abort_wait_s = abort_wait_s
+        self._options = [("grpc.max_send_message_length", -1), *channel_options]
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, kvtransfer_pb2_grpc.KVTransferStub]] = {}
+
+    def _stub(self, address: str) -> kvtransfer_pb2_grpc.KVTransferStub:
+        with self._lock:
+            entry = self._channels.get(address)
+            if entry is None:
+                channel = grpc.insecure_channel(address, options=self._options)
+                entry = (channel, kvtransfer_pb2_grpc.KVTransferStub(channel))
+                self._channels[address] = entry
+            return entry[1]
+
+    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec) -> KVPushStream:
+        return GrpcKVPushStream(
+            self._stub(dest_address), dest_address, reservation_id, spec,
+            self.max_chunk_bytes, self._timeout_s, self._abort_wait_s,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = self._channels, {}
+        for channel, _ in channels.values():
+            channel.close()

@@ -1,0 +1,208 @@
+"""`KVTransferService`: the `KVTransfer.Push` servicer hosted by a decode worker.
+
+Life cycle of one transfer (one Push stream, one reservation):
+
+    Reserve (decode worker)  -> reservation open: blocks set aside, nothing written
+    KVChunk*                 -> each chunk validated in full (reservation, seq, layer,
+                                dtype, shape, block indices, size, crc32), then written
+                                through `KVSink.write_kv`
+    KVCommit                 -> chunk count and coverage of every (layer, block) checked,
+                                then `KVSink.commit_kv`; the sequence joins the decode batch
+    | KVAbort / error / cancel -> `KVSink.abort_kv`: the reservation's blocks are freed and
+                                the call ends with a status (below)
+    | expiry (decode worker) -> the sink forgets the reservation; the next chunk or the
+                                commit gets NOT_FOUND
+
+Statuses: NOT_FOUND (unknown, expired or already finished reservation), INVALID_ARGUMENT
+(malformed chunk or commit; the details start with the field's name), FAILED_PRECONDITION
+(another stream feeds the same reservation; that one is left alone), CANCELLED (the sender
+sent KVAbort), INTERNAL (the sink failed). A chunk is never written before it has passed
+validation, so bad bytes never reach the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from kvtransfer.sink import KVSink
+from kvtransfer.wire import KVChunkError, commit_from_proto, decode_chunk
+from protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class _Reject(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, abort_reservation: bool) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.abort_reservation = abort_reservation
+
+
+@dataclass
+class _Transfer:
+    """What one Push stream has delivered so far."""
+
+    reservation_id: str
+    num_blocks: int
+    received: np.ndarray  # bool [num_layers, num_blocks]
+    num_chunks: int = 0
+    num_bytes: int = 0
+    done: bool = field(default=False)
+
+
+class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
+    """Receives KV into a `KVSink`; runs on the decode worker's event loop."""
+
+    def __init__(self, sink: KVSink) -> None:
+        self._sink = sink
+        self._spec = sink.kv_spec
+        self._active: set[str] = set()  # reservations with a live Push stream
+        # counters for metrics
+        self.num_committed = 0
+        self.num_rejected = 0
+        self.bytes_received = 0
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(self, server)
+
+    async def Push(
+        self, request_iterator: AsyncIterator[kvtransfer_pb2.KVMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> kvtransfer_pb2.PushAck:
+        state: list[_Transfer] = []  # the stream's transfer once its first message arrived
+        try:
+            return await self._serve(request_iterator, state)
+        except _Reject as r:
+            reject = r
+        except KVChunkError as e:
+            reject = _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e), abort_reservation=True)
+        except asyncio.CancelledError:
+            self._finish(state, "push cancelled by the sender or its deadline")
+            raise
+        except Exception as e:  # the sink failed: still free the blocks, report INTERNAL
+            log.exception("KV push failed in the sink")
+            reject = _Reject(grpc.StatusCode.INTERNAL, f"sink error: {e!r}", True)
+        self.num_rejected += 1
+        rid = state[0].reservation_id if state else "?"
+        log.warning("KV push for reservation %s rejected: %s %s", rid, reject.code.name,
+                    reject.details)
+        if reject.abort_reservation:
+            self._finish(state, f"{reject.code.name}: {reject.details}")
+        elif state:
+            self._active.discard(state[0].reservation_id)
+        await context.abort(reject.code, reject.details)
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def _serve(
+        self, request_iterator: AsyncIterator[kvtransfer_pb2.KVMessage], state: list[_Transfer]
+    ) -> kvtransfer_pb2.PushAck:
+        async for msg in request_iterator:
+            kind = msg.WhichOneof("msg")
+            if kind is None:
+                raise KVChunkError("msg", "empty KVMessage")
+            body = getattr(msg, kind)
+            if not state:
+                state.append(self._open(body.reservation_id))
+            transfer = state[0]
+            if body.reservation_id != transfer.reservation_id:
+                raise KVChunkError(
+                    "reservation_id",
+                    f"{body.reservation_id!r} in a stream for {transfer.reservation_id!r}",
+                )
+            self._check_open(transfer)
+            if kind == "chunk":
+                self._write(transfer, body)
+            elif kind == "commit":
+                return self._commit(transfer, body)
+            else:  # abort
+                raise _Reject(grpc.StatusCode.CANCELLED,
+                              f"sender aborted: {body.reason}", abort_reservation=True)
+        raise KVChunkError("commit", "stream ended without a KVCommit")
+
+    def _open(self, reservation_id: str) -> _Transfer:
+        num_blocks = self._sink.reservation_num_blocks(reservation_id)
+        if num_blocks is None:
+            raise _Reject(grpc.StatusCode.NOT_FOUND,
+                          f"reservation {reservation_id!r} is unknown, expired or finished",
+                          abort_reservation=False)
+        if reservation_id in self._active:
+            raise _Reject(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"reservation {reservation_id!r} is already being pushed",
+                          abort_reservation=False)
+        self._active.add(reservation_id)
+        received = np.zeros((self._spec.num_layers, num_blocks), dtype=bool)
+        return _Transfer(reservation_id, num_blocks, received)
+
+    def _check_open(self, transfer: _Transfer) -> None:
+        # the decode worker may expire a reservation while its stream is open
+        if self._sink.reservation_num_blocks(transfer.reservation_id) != transfer.num_blocks:
+            raise _Reject(grpc.StatusCode.NOT_FOUND,
+                          f"reservation {transfer.reservation_id!r} expired during the push",
+                          abort_reservation=True)
+
+    def _write(self, transfer: _Transfer, chunk: kvtransfer_pb2.KVChunk) -> None:
+        if chunk.seq != transfer.num_chunks:
+            raise KVChunkError("seq", f"{chunk.seq}, expected {transfer.num_chunks}")
+        decoded = decode_chunk(chunk, self._spec, transfer.num_blocks)
+        row = transfer.received[decoded.layer]
+        already = [i for i in decoded.block_indices if row[i]]
+        if already:
+            raise KVChunkError(
+                "block_indices", f"layer {decoded.layer} blocks {already[:8]} sent twice"
+            )
+        try:
+            self._sink.write_kv(transfer.reservation_id, decoded.layer, decoded.block_indices,
+                                decoded.k, decoded.v)
+        except KeyError:
+            raise _Reject(grpc.StatusCode.NOT_FOUND,
+                          f"reservation {transfer.reservation_id!r} vanished during the push",
+                          abort_reservation=True) from None
+        row[decoded.block_indices] = True
+        transfer.num_chunks += 1
+        transfer.num_bytes += decoded.num_bytes
+        self.bytes_received += decoded.num_bytes
+
+    def _commit(self, transfer: _Transfer, commit: kvtransfer_pb2.KVCommit
+                ) -> kvtransfer_pb2.PushAck:
+        if commit.num_chunks != transfer.num_chunks:
+            raise KVChunkError(
+                "num_chunks", f"commit says {commit.num_chunks}, received {transfer.num_chunks}"
+            )
+        if not transfer.received.all():
+            layers, blocks = np.nonzero(~transfer.received)
+            missing = [f"(layer {la}, block {b})" for la, b in zip(layers[:8], blocks[:8])]
+            raise KVChunkError(
+                "commit", f"{len(layers)} (layer, block) pairs never sent: {', '.join(missing)}"
+            )
+        bs = self._spec.block_size
+        lo, hi = (transfer.num_blocks - 1) * bs + 1, transfer.num_blocks * bs
+        if not lo <= commit.num_prompt_tokens <= hi:
+            raise KVChunkError(
+                "num_prompt_tokens",
+                f"{commit.num_prompt_tokens} tokens do not fill {transfer.num_blocks} blocks "
+                f"of {bs} (expected {lo}..{hi})",
+            )
+        info = commit_from_proto(commit)
+        self._sink.commit_kv(transfer.reservation_id, info)
+        transfer.done = True
+        self._active.discard(transfer.reservation_id)
+        self.num_committed += 1
+        return kvtransfer_pb2.PushAck(reservation_id=transfer.reservation_id,
+                                      num_chunks=transfer.num_chunks,
+                                      num_bytes=transfer.num_bytes)
+
+    def _finish(self, state: list[_Transfer], reason: str) -> None:
+        """Aborts the stream's reservation unless it was committed."""
+        if not state or state[0].done:
+            return
+        transfer = state[0]
+        self._active.discard(transfer.reservation_id)
+        transfer.done = True
+        self._sink.abort_kv(transfer.reservation_id, reason)

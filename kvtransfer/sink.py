@@ -1,0 +1,73 @@
+"""The receiving end's contract: `KVSink`, which the decode engine implements, and
+`KVCommitInfo`, what a finished transfer hands it.
+
+The receiver (`kvtransfer.receiver`) validates every chunk before it calls the sink, so a
+sink only copies tensors and keeps its own bookkeeping. Calls come from the decode
+worker's event loop thread; each must be quick (a tensor copy, a dict update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from engine.kv_cache import KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCommitInfo:
+    """What the prefill worker reports when all of a prompt's KV has been sent."""
+
+    num_prompt_tokens: int
+    first_token_id: int
+    # log p(first token); None when the request did not ask for logprobs.
+    first_token_logprob: float | None = None
+    # The top alternatives at the first position, most likely first: (token id, logprob).
+    first_token_top_logprobs: tuple[tuple[int, float], ...] = ()
+    # Prompt tokens the prefill worker served from its prefix cache.
+    num_cached_tokens: int = 0
+    # Prefill worker time, seconds (see PrefillTiming in common.proto).
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        assert self.num_prompt_tokens >= 1, self.num_prompt_tokens
+        assert self.first_token_id >= 0, self.first_token_id
+        assert 0 <= self.num_cached_tokens <= self.num_prompt_tokens, self.num_cached_tokens
+        assert min(self.queue_s, self.compute_s, self.transfer_s) >= 0.0
+
+
+@runtime_checkable
+class KVSink(Protocol):
+    """Where received KV goes: the decode worker's paged cache and its reservations.
+
+    A reservation is a list of physical blocks set aside for one prompt; the transfer
+    addresses them by logical index 0 .. n-1. Rules:
+
+    - `reservation_num_blocks` is the number of blocks the transfer must fill,
+      `ceil(num_prompt_tokens / block_size)`. It returns None for an unknown reservation
+      and for one that no longer accepts KV (committed, aborted or expired).
+    - `write_kv` receives validated tensors `[n, block_size, kv_heads, head_dim]` of the
+      spec's dtype on the CPU, which the caller no longer uses (the sink may keep them or
+      copy them to its device). It raises KeyError if the reservation is gone.
+    - `commit_kv` is called once, after every (layer, block) was written; from then on the
+      sequence belongs to the decode scheduler, which frees the blocks when it finishes.
+    - `abort_kv` frees the reservation's blocks; it is a no-op for an unknown reservation.
+    """
+
+    @property
+    def kv_spec(self) -> KVCacheSpec: ...
+
+    def reservation_num_blocks(self, reservation_id: str) -> int | None: ...
+
+    def write_kv(
+        self, reservation_id: str, layer: int, block_indices: list[int],
+        k: torch.Tensor, v: torch.Tensor,
+    ) -> None: ...
+
+    def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None: ...
+
+    def abort_kv(self, reservation_id: str, reason: str) -> None: ...

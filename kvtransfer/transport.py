@@ -1,0 +1,89 @@
+"""The sending side's interface: prefill workers push KV through a `KVTransport`.
+
+    stream = transport.open(dest_address, reservation_id, spec)
+    for each layer, right after its forward:   stream.push_layer(layer, idx, k, v)  # no wait
+    on success:                                result = stream.commit(info)      # waits for ack
+    on failure or cancellation:                stream.abort(reason)
+
+gRPC streaming (`kvtransfer.grpc_sender`) is the default implementation; same-host shared
+memory or RDMA transports implement the same two classes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from engine.kv_cache import KVCacheSpec
+from kvtransfer.sink import KVCommitInfo
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """A committed transfer, as the sender saw it."""
+
+    reservation_id: str
+    num_chunks: int
+    bytes_sent: int  # payload bytes
+    push_s: float  # from open() to the receiver's acknowledgement of the commit
+
+
+class KVTransferError(RuntimeError):
+    """A transfer that did not commit; `code` is the receiver's gRPC status if it gave one."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class KVPushStream(ABC):
+    """One transfer into one reservation. Not reusable after commit or abort."""
+
+    @abstractmethod
+    def push_layer(
+        self, layer: int, block_indices: Sequence[int], k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+    ) -> None:
+        """Queues a layer's blocks and returns at once; sending overlaps later compute.
+
+        k_blocks, v_blocks: [n, block_size, kv_heads, head_dim] of the spec's dtype, owned
+        by the stream from now on (pass copies), readable from another thread (CPU tensors,
+        or device tensors whose producing stream is synchronized). block_indices are the
+        logical indices within the reservation. Raises ValueError on a shape/dtype/layer
+        mismatch; a failure of the transfer itself surfaces in `commit`.
+        """
+
+    @abstractmethod
+    def commit(self, info: KVCommitInfo, timeout_s: float | None = None) -> PushResult:
+        """Sends everything queued, then the commit; blocks until the receiver acks.
+
+        Raises KVTransferError (with the gRPC status code) if the receiver refused any
+        chunk, the commit, or could not be reached.
+        """
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Drops what is still queued and tells the receiver to free the reservation.
+        Never raises; a no-op after commit or a previous abort."""
+
+    @property
+    @abstractmethod
+    def failed(self) -> bool:
+        """True once the transfer ended without a commit (checked without blocking)."""
+
+
+class KVTransport(ABC):
+    """Opens push streams to decode workers; owns the connections."""
+
+    @abstractmethod
+    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec) -> KVPushStream:
+        """Starts a transfer; spec is the sender's layout (equal to the receiver's but for
+        num_blocks)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Closes every connection; open streams fail."""

@@ -1,0 +1,1 @@
+"""Namespace of the pdserve protos; see protos/__init__.py."""

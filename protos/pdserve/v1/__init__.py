@@ -1,0 +1,1 @@
+"""Generated stubs of proto package pdserve.v1 (do not edit; see protos/generate.py)."""
