@@ -41,3 +41,85 @@ def make_tiny_model(path: str, vocab_size: int = 49152, num_kv_heads: int = 2) -
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def hf_greedy(model_dir_or_source, prompts: list[list[int]], max_new_tokens: int,
+              gguf_file: str | None = None) -> list[list[int]]:
+    """The oracle: transformers `generate`, greedy, one prompt at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir_or_source, dtype=torch.float32, **kwargs)
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            g = hf.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                            min_new_tokens=max_new_tokens, pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+def hf_top5(model_dir_or_source, ids: list[int], gguf_file: str | None = None) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir_or_source, dtype=torch.float32, **kwargs)
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0, -1].topk(5).indices.tolist()
+
+
+def assert_parity(ours: list[int], ref: list[int], top5_ours=None, top5_ref=None) -> int:
+    """ARCHITECTURE.md's rule: equal token for token; at the first difference both tokens
+    must be in each other's top-5 (checked by the caller's callbacks), and the comparison
+    stops there. Returns the number of tokens compared."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert top5_ours is not None and top5_ref is not None, (
+                f"first difference at token {i}: ours {a} vs reference {b}")
+            t_ours, t_ref = top5_ours(i), top5_ref(i)
+            assert b in t_ours and a in t_ref, (
+                f"token {i}: ours {a} vs reference {b} are not in each other's top-5")
+            return i
+    assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)}"
+    return len(ours)
+
+
+def assert_pool_clean(engine) -> None:
+    """Every block free or reclaimable; nothing held by a sequence."""
+    s = engine.pool.stats()
+    assert s.free == s.total, f"{s.total - s.free} KV blocks still held: {s}"
+    assert not engine.seqs, f"sequences left behind: {list(engine.seqs)}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """The real SmolLM2-135M through transformers (the oracle), loaded once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_loader import resolve_model
+
+    src = resolve_model("smollm2-135m")
+    return AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file,
+                                                dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    """The real SmolLM2-135M in our engine, loaded once (tests must leave the pool clean)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model="smollm2-135m", kv_cache_memory="256MiB",
+                                  max_num_batched_tokens=512, show_progress=False))
+
+
+def tiny_engine(model_dir: str, **kw):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("max_num_batched_tokens", 128)
+    return LLMEngine(EngineConfig(model=model_dir, show_progress=False, **kw))

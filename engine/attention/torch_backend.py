@@ -66,8 +66,8 @@ def prefill_attention_reference(
         if prefix == 0:
             o = _sdpa(q, k, v, scale, causal=qlen > 1)
         else:
-            qpos = torch.arange(prefix, seq_len).unsqueeze(1)
-            kpos = torch.arange(seq_len).unsqueeze(0)
+            qpos = torch.arange(prefix, seq_len, device=query.device).unsqueeze(1)
+            kpos = torch.arange(seq_len, device=query.device).unsqueeze(0)
             o = _sdpa(q, k, v, scale, mask=kpos <= qpos)
         out[start:end] = o[0].transpose(0, 1).to(out.dtype)
     return out

@@ -46,7 +46,10 @@ def _store_kv_kernel(
     valid = (slot >= 0) & (slot < num_slots)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = valid & (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    # tl.where, not `mask & valid`: the interpreter turns scalar-bool & block-bool into an
+    # int32 block that its loads reject.
+    mask = tl.where(valid, mask, False)
 
     src_k = tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     src_v = tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]

@@ -1,0 +1,103 @@
+"""The `pdserve` command line: one subcommand per thing a person does with pdserve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.engine_args import add_engine_args, engine_config_from_args
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
+                                top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+    except ValueError as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(engine_config_from_args(a, kv_cache_memory=a.kv_cache_memory))
+    tok = engine.tokenizer
+    prompt = a.prompt
+    if a.chat:
+        if tok is None or not getattr(tok, "chat_template", None):
+            print("pdserve generate: --chat needs a model with a chat template", file=sys.stderr)
+            return 2
+        prompt = tok.apply_chat_template([{"role": "user", "content": a.prompt}],
+                                         add_generation_prompt=True, tokenize=False)
+    try:
+        ids = engine.encode_prompt(prompt)
+        engine.add_request("cli", ids, params)
+    except ValueError as e:
+        print(f"pdserve generate: {e}", file=sys.stderr)
+        return 2
+    detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
+    while engine.has_unfinished():
+        for d in engine.step():
+            text = detok.add(d.new_token_ids) if detok else " ".join(map(str, d.new_token_ids))
+            if d.finished and detok:
+                text += detok.flush()
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            if d.finished:
+                print(f"\n[{d.num_output_tokens} tokens, finish_reason={d.finish_reason}]",
+                      file=sys.stderr)
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0].strip())
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate a completion in-process, streamed to stdout",
+                       description="Generate one completion with the colocated engine in this "
+                                   "process. Only the completion goes to stdout; logs and "
+                                   "progress go to stderr.")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    g.add_argument("--top-k", type=int, default=-1, help="top-k sampling (default off)")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    add_engine_args(g)
+    g.set_defaults(func=_cmd_generate, kv_cache_memory="256MiB")
+
+    for register in _optional_commands():
+        register(sub)
+    return p
+
+
+def _optional_commands():
+    """Subcommands owned by other packages, added when those packages are present."""
+    out = []
+    try:
+        from pdserve.cli_up import register as reg_up
+        out.append(reg_up)
+    except ImportError:
+        pass
+    try:
+        from pdserve.cli_bench import register as reg_bench
+        out.append(reg_bench)
+    except ImportError:
+        pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

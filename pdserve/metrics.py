@@ -1,0 +1,88 @@
+"""Prometheus metrics for every tier, named like vLLM's (prefix `pdserve:`) so existing
+dashboards and alerts carry over. Each process builds one `TierMetrics` on its own
+registry; the labels say the model, the tier (gateway / prefill / decode) and the worker.
+
+Token-level timings (TTFT, inter-token latency, TPOT, e2e) are recorded where the request
+is observed end to end: the gateway for disaggregated traffic, the decode worker for what it
+streams itself. Gauges are refreshed from engine stats by the owning service.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                  0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LABELS = ("model_name", "tier", "worker")
+
+
+class TierMetrics:
+    """Every pdserve metric, bound to one (model, tier, worker)."""
+
+    def __init__(self, model: str, tier: str, worker: str,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.labels = {"model_name": model, "tier": tier, "worker": worker}
+        r, lb = self.registry, LABELS
+
+        def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"pdserve:{name}", doc, lb, registry=r,
+                             buckets=buckets).labels(**self.labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pdserve:{name}", doc, lb, registry=r).labels(**self.labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pdserve:{name}", doc, lb, registry=r).labels(**self.labels)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.",
+                        _TOKEN_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request.",
+                         _TOKEN_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue_time = hist("request_queue_time_seconds", "Time spent queued.")
+        self.prefill_time = hist("request_prefill_time_seconds", "Time spent in prefill.")
+        self.decode_time = hist("request_decode_time_seconds", "Time spent in decode.")
+        self.kv_transfer_seconds = hist("kv_transfer_seconds",
+                                        "KV transfer time not overlapped by prefill compute.")
+        self.kv_transfer_bytes = hist("kv_transfer_bytes", "Bytes of KV moved per request.",
+                                      _BYTES_BUCKETS)
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted.")
+        self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed.")
+        self.reservations_expired = counter("kv_reservations_expired",
+                                            "Reservations freed because KV never committed.")
+        self._success = Counter("pdserve:request_success", "Requests finished, by reason.",
+                                (*lb, "finished_reason"), registry=r)
+        self._errors = Counter("pdserve:request_errors", "Requests failed, by status code.",
+                               (*lb, "code"), registry=r)
+
+    def success(self, finished_reason: str) -> None:
+        self._success.labels(**self.labels, finished_reason=finished_reason).inc()
+
+    def error(self, code: str) -> None:
+        self._errors.labels(**self.labels, code=code).inc()
+
+    def set_counter_to(self, counter: Counter, value: float) -> None:
+        """Move a counter up to an absolute total read from engine stats (never down)."""
+        current = counter._value.get()
+        if value > current:
+            counter.inc(value - current)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
