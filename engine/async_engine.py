@@ -136,8 +136,19 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort at the next step boundary; its blocks return to the pool. Idempotent."""
-        self._cmds.put((lambda: self.engine.abort_request(request_id), None))
+        """Abort at the next step boundary; its blocks return to the pool and its stream
+        ends with finish_reason "abort". Idempotent."""
+        self._cmds.put((lambda: self._abort_now(request_id), None))
+
+    async def abort_and_wait(self, request_id: str) -> bool:
+        """Like `abort`; True when the request was still live."""
+        return await self._call(lambda: self._abort_now(request_id))
+
+    def _abort_now(self, request_id: str) -> bool:
+        delta = self.engine.abort_request(request_id)
+        if delta is not None:
+            self._publish([delta])
+        return delta is not None
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> Reservation:
@@ -160,11 +171,8 @@ class AsyncEngine:
             [self.engine.commit_remote_kv(request_id, first_token, logprobs)]))
 
     async def cancel_reservation(self, request_id: str) -> bool:
-        found = await self._call(lambda: self.engine.abort_request(request_id))
-        q = self._streams.pop(request_id, None)
-        if q is not None:
-            q.put_nowait(RequestError(f"request {request_id} was cancelled"))
-        return found
+        """Free a reservation's blocks; a stream waiting on it ends with "abort"."""
+        return await self._call(lambda: self._abort_now(request_id))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -232,7 +240,7 @@ class AsyncEngine:
 
     def _fail_all(self, err: BaseException) -> None:
         for rid in list(self.engine.seqs):
-            self.engine.abort_request(rid)
+            self.engine.abort_request(rid)  # streams get `err` below instead of a delta
         if self._loop is not None:
             def fail() -> None:
                 for q in self._streams.values():

@@ -43,6 +43,8 @@ class SeqDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    arrival_time: float  # monotonic, when the engine accepted it
+    first_scheduled_time: float | None  # monotonic, when it first ran (or KV committed)
 
 
 @dataclass
@@ -153,14 +155,16 @@ class LLMEngine:
         self.counters.prompt_tokens += len(ids)
         return seq
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str) -> SeqDelta | None:
+        """Finish a request as aborted and free its blocks; the final (empty) delta, or
+        None when the request is unknown or already finished."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
-            return False
+            return None
         if not seq.is_finished:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self._count_finish(seq)
-        return True
+        return self._delta(seq, [], [])
 
     # -- disaggregation ---------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -225,9 +229,12 @@ class LLMEngine:
             self.scheduler.finish(seq, status)
             self.seqs.pop(seq.request_id, None)
             self._count_finish(seq)
-        return SeqDelta(seq.request_id, [token], [lp] if lp is not None else [],
-                        seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
-                        seq.num_output_tokens, seq.num_cached_tokens)
+        return self._delta(seq, [token], [lp] if lp is not None else [])
+
+    def _delta(self, seq: Sequence, tokens: list[int], lps: list[TokenLogprobs]) -> SeqDelta:
+        return SeqDelta(seq.request_id, tokens, lps, seq.is_finished, seq.finish_reason,
+                        seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                        seq.arrival_time, seq.first_scheduled_time)
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         p = seq.params

@@ -19,6 +19,7 @@ backends expect.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,6 +102,7 @@ class Scheduler:
         """The prompt's KV has arrived: the sequence joins the running batch next step."""
         assert seq.status == SequenceStatus.WAITING_FOR_KV
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.first_scheduled_time = time.monotonic()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -134,6 +136,8 @@ class Scheduler:
                 break
             seq.block_table += self.pool.allocate(need)
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen.append(ScheduledSeq(seq, n))

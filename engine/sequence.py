@@ -66,6 +66,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     num_registered_blocks: int = 0  # leading full blocks entered in the prefix cache
+    first_scheduled_time: float | None = None  # monotonic; the end of its queue time
     # a prefill worker samples the first token and then drops the sequence
     prefill_only: bool = False
 

@@ -84,5 +84,16 @@ class TierMetrics:
         if value > current:
             counter.inc(value - current)
 
+    def observe_engine(self, s) -> None:
+        """Mirror an `engine.async_engine.EngineStats` snapshot into gauges and counters."""
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.kv_usage.set(1.0 - s.free_blocks / s.total_blocks)
+        self.set_counter_to(self.prompt_tokens, s.prompt_tokens)
+        self.set_counter_to(self.generation_tokens, s.generation_tokens)
+        self.set_counter_to(self.prefix_queries, s.prefix_queries)
+        self.set_counter_to(self.prefix_hits, s.prefix_hits)
+        self.set_counter_to(self.preemptions, s.preemptions)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

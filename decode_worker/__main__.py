@@ -1,0 +1,38 @@
+"""`python -m decode_worker`: run one decode-tier worker until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m decode_worker",
+        description="A pdserve decode worker: reserves KV blocks, receives KV from prefill "
+                    "workers (KVTransfer service on the same port), continuously batches "
+                    "generation, and serves colocated requests.")
+    add_worker_args(p)
+    p.add_argument("--reservation-timeout", type=float, default=30.0,
+                   help="seconds before a reservation whose KV never commits is freed "
+                        "(default 30)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from decode_worker.server import DecodeWorker
+
+    worker = DecodeWorker(worker_config_from_args(a, reservation_timeout_s=a.reservation_timeout))
+    asyncio.run(run_until_signal(worker.start, worker.stop))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The DecodeWorker gRPC servicer: translates messages to engine calls and back.
+
+    Reserve   -> ReservationTable.reserve   (RESOURCE_EXHAUSTED when the pool has no room)
+    Decode    -> stream the reserved request's tokens; starts when its KV commits
+    Generate  -> colocated: this worker prefills and decodes
+    Cancel    -> release a reservation or abort a running request; blocks free next step
+    Stats     -> load for the gateway's router
+
+A stream that ends early (client gone, cancelled) aborts its request, so blocks never leak.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.async_engine import AsyncEngine, RequestError
+from engine.llm_engine import SeqDelta
+from pdserve.convert import (FINISH_REASONS, kv_spec_to_proto, logprobs_to_proto,
+                             sampling_from_proto)
+from pdserve.metrics import TierMetrics
+from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from decode_worker.reservations import ReservationTable
+
+log = logging.getLogger("pdserve.decode")
+
+
+class RequestTimer:
+    """Token timings of one streamed request, recorded into metrics as it goes."""
+
+    def __init__(self, metrics: TierMetrics, start: float) -> None:
+        self.m = metrics
+        self.start = start
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+
+    def tokens_arrived(self, n: int) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.m.ttft.observe(now - self.start)
+        elif self.last is not None:
+            self.m.itl.observe(now - self.last)
+        self.last = now
+        self.tokens += n
+
+    def finished(self, reason: str) -> None:
+        now = time.monotonic()
+        self.m.e2e.observe(now - self.start)
+        if self.first is not None and self.tokens > 1:
+            self.m.tpot.observe((now - self.first) / (self.tokens - 1))
+            self.m.decode_time.observe(now - self.first)
+        self.m.success(reason)
+
+
+class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, aengine: AsyncEngine, table: ReservationTable, metrics: TierMetrics,
+                 stats: callable) -> None:
+        self.aengine = aengine
+        self.table = table
+        self.metrics = metrics
+        self._stats = stats
+        self.default_max_tokens = 16
+
+    async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+                      ) -> decode_pb2.ReserveResponse:
+        try:
+            params = sampling_from_proto(request.sampling, self.default_max_tokens)
+            rid, nblocks = await self.table.reserve(
+                request.request_id or uuid.uuid4().hex, list(request.prompt_token_ids), params)
+        except ValueError as e:
+            self.metrics.error("INVALID_ARGUMENT")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:
+            self.metrics.error("RESOURCE_EXHAUSTED")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        return decode_pb2.ReserveResponse(reservation_id=rid, num_blocks=nblocks,
+                                          kv_spec=kv_spec_to_proto(self.table.kv_spec))
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        rid = request.reservation_id
+        request_id = self.table.request_id(rid)
+        if request_id is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation_id: {rid!r} unknown "
+                                "(expired, cancelled or never made)")
+        timer = RequestTimer(self.metrics, time.monotonic())
+        try:
+            async for chunk in self._stream(self.aengine.stream(request_id), timer, rid):
+                yield chunk
+        except RequestError as e:
+            self.metrics.error("CANCELLED")
+            await context.abort(grpc.StatusCode.CANCELLED, str(e))
+        finally:
+            # a stream that ends before KV committed frees the reservation
+            self.table.release(rid, "decode stream closed before commit")
+            self.table.forget(rid)
+
+    async def Generate(self, request: decode_pb2.ColocatedGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
+        request_id = request.request_id or uuid.uuid4().hex
+        timer = RequestTimer(self.metrics, time.monotonic())
+        try:
+            params = sampling_from_proto(request.sampling, self.default_max_tokens)
+            await self.aengine.add_request(request_id, list(request.prompt_token_ids), params)
+        except ValueError as e:
+            self.metrics.error("INVALID_ARGUMENT")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            async for chunk in self._stream(self.aengine.stream(request_id), timer, None):
+                yield chunk
+        except RequestError as e:
+            self.metrics.error("UNAVAILABLE")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def _stream(self, deltas: AsyncIterator[SeqDelta], timer: RequestTimer,
+                      reservation_id: str | None) -> AsyncIterator[decode_pb2.TokenChunk]:
+        async for d in deltas:
+            timer.tokens_arrived(len(d.new_token_ids))
+            chunk = decode_pb2.TokenChunk(
+                token_ids=d.new_token_ids,
+                logprobs=[logprobs_to_proto(lp) for lp in d.new_logprobs],
+                num_prompt_tokens=d.num_prompt_tokens, num_output_tokens=d.num_output_tokens,
+                num_cached_tokens=d.num_cached_tokens)
+            if d.finished:
+                chunk.finish_reason = FINISH_REASONS[d.finish_reason]
+                chunk.timing.CopyFrom(self._timing(d, timer, reservation_id))
+                timer.finished(d.finish_reason or "abort")
+            yield chunk
+
+    def _timing(self, d: SeqDelta, timer: RequestTimer, reservation_id: str | None
+                ) -> common_pb2.Timing:
+        now = time.monotonic()
+        started = d.first_scheduled_time or d.arrival_time
+        if reservation_id is None:  # colocated: queue, then prefill up to the first token
+            first = timer.first or now
+            queue_s = started - d.arrival_time
+            self.metrics.queue_time.observe(queue_s)
+            self.metrics.prefill_time.observe(max(0.0, first - started))
+            return common_pb2.Timing(queue_s=queue_s, prefill_s=max(0.0, first - started),
+                                     decode_s=now - first)
+        commit = self.table.commits.pop(d.request_id, None)
+        t = common_pb2.Timing(decode_s=now - started)
+        if commit is not None:
+            t.queue_s = commit.queue_s
+            t.prefill_s = commit.compute_s
+            t.transfer_s = commit.transfer_s
+        return t
+
+    async def Cancel(self, request: decode_pb2.CancelRequest, context: grpc.aio.ServicerContext
+                     ) -> decode_pb2.CancelResponse:
+        which = request.WhichOneof("target")
+        if which == "reservation_id":
+            rid = request.reservation_id
+            if self.table.release(rid, request.reason or "cancelled"):
+                return decode_pb2.CancelResponse(found=True)
+            request_id = self.table.request_id(rid)
+            if request_id is None:
+                return decode_pb2.CancelResponse(found=False)
+        elif which == "request_id":
+            request_id = request.request_id
+        else:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "target: give a request_id or a reservation_id")
+        return decode_pb2.CancelResponse(found=await self.aengine.abort_and_wait(request_id))
+
+    async def Stats(self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
+                    ) -> common_pb2.StatsResponse:
+        return await self._stats()

@@ -1,0 +1,137 @@
+"""The PrefillWorker gRPC servicer.
+
+Life of one Prefill call:
+    validate (layout matches the decode worker's, reservation covers the prompt)
+    -> open a KV push stream to the decode worker's reservation
+    -> the engine batches the prompt with others (chunked, prefix-cached); its last chunk
+       pushes KV layer by layer (KVPusher) and samples the first token
+    -> commit the transfer with the first token; reply with it and the timing split
+Any failure aborts the transfer, which frees the reservation at the decode worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+
+import grpc
+
+from engine.async_engine import AsyncEngine, RequestError
+from kvtransfer.sink import KVCommitInfo
+from kvtransfer.transport import KVTransferError, KVTransport
+from pdserve.convert import kv_spec_from_proto, layouts_match, logprobs_to_proto, sampling_from_proto
+from pdserve.metrics import TierMetrics
+from prefill_worker.kv_pusher import KVPusher
+from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("pdserve.prefill")
+
+
+class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, aengine: AsyncEngine, pusher: KVPusher, transport: KVTransport,
+                 metrics: TierMetrics, stats) -> None:
+        self.aengine = aengine
+        self.pusher = pusher
+        self.transport = transport
+        self.metrics = metrics
+        self._stats = stats
+        self.in_flight = 0
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        t0 = time.monotonic()
+        self.in_flight += 1
+        try:
+            return await self._prefill(request, context, t0)
+        finally:
+            self.in_flight -= 1
+
+    async def _prefill(self, request, context, t0: float) -> prefill_pb2.PrefillResponse:
+        engine = self.aengine.engine
+        spec = engine.kv_spec
+        ids = list(request.prompt_token_ids)
+        request_id = request.request_id or uuid.uuid4().hex
+        if not request.decode_address or not request.reservation_id:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             "decode_address and reservation_id are required")
+        if not ids:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             "prompt_token_ids: must contain at least one token")
+        if request.HasField("decode_kv_spec") and not layouts_match(
+                spec, kv_spec_from_proto(request.decode_kv_spec)):
+            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
+                             "decode_kv_spec: the decode worker's KV layout differs from this "
+                             "prefill worker's")
+        need = -(-len(ids) // spec.block_size)
+        if request.reserved_blocks and request.reserved_blocks != need:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"reserved_blocks: {request.reserved_blocks} reserved, the prompt "
+                             f"fills {need}")
+        try:
+            params = sampling_from_proto(request.sampling)
+            # only the first token is sampled here, with the request's own rules
+            params = dataclasses.replace(params, max_tokens=1,
+                                         min_tokens=min(params.min_tokens, 1))
+        except ValueError as e:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        stream = self.transport.open(request.decode_address, request.reservation_id, spec)
+        self.pusher.register(request_id, stream, need)
+        committed = False
+        try:
+            delta = None
+            async for d in self.aengine.generate(request_id, ids, params, prefill_only=True):
+                delta = d
+            if delta is None or not delta.new_token_ids:
+                raise RequestError("prefill was aborted")
+            t_first = time.monotonic()
+            started = delta.first_scheduled_time or delta.arrival_time
+            queue_s = max(0.0, started - t0)
+            compute_s = max(0.0, t_first - started)
+            lp = delta.new_logprobs[0] if delta.new_logprobs else None
+            info = KVCommitInfo(
+                num_prompt_tokens=len(ids), first_token_id=delta.new_token_ids[0],
+                first_token_logprob=lp.logprob if lp else None,
+                first_token_top_logprobs=lp.top if lp else (),
+                num_cached_tokens=delta.num_cached_tokens, queue_s=queue_s,
+                compute_s=compute_s)
+            result = await asyncio.to_thread(stream.commit, info)
+            committed = True
+            transfer_s = time.monotonic() - t_first  # the part not hidden behind compute
+        except ValueError as e:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KVTransferError as e:
+            self.metrics.kv_transfer_failures.inc()
+            code = e.code or grpc.StatusCode.UNAVAILABLE
+            await self._fail(context, code, f"KV transfer to {request.decode_address}: {e}")
+        except RequestError as e:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            self.pusher.unregister(request_id)
+            if not committed:
+                stream.abort("prefill did not complete")
+        m = self.metrics
+        m.queue_time.observe(queue_s)
+        m.prefill_time.observe(compute_s)
+        m.ttft.observe(t_first - t0)
+        m.kv_transfer_seconds.observe(transfer_s)
+        m.kv_transfer_bytes.observe(result.bytes_sent)
+        m.success("prefilled")
+        resp = prefill_pb2.PrefillResponse(
+            first_token_id=info.first_token_id, num_prompt_tokens=len(ids),
+            num_cached_tokens=delta.num_cached_tokens, transfer_bytes=result.bytes_sent,
+            timing=common_pb2.PrefillTiming(queue_s=queue_s, compute_s=compute_s,
+                                            transfer_s=transfer_s))
+        if lp is not None:
+            resp.first_token_logprobs.CopyFrom(logprobs_to_proto(lp))
+        return resp
+
+    async def _fail(self, context, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.error(code.name)
+        await context.abort(code, message)
+
+    async def Stats(self, request, context) -> common_pb2.StatsResponse:
+        return await self._stats()

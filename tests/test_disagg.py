@@ -1,0 +1,196 @@
+"""The disaggregated tiers over real gRPC on 127.0.0.1: reserve -> prefill -> layer-wise KV
+push -> decode, against the colocated engine; faults leave caches and accounting clean."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from conftest import tiny_engine
+
+from engine.sampling_params import SamplingParams
+from pdserve.convert import sampling_to_proto
+from pdserve.worker_runtime import WorkerConfig
+from protos.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2,
+                               kvtransfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc)
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(37 * i + 11 * j) % 4000 + 50 for j in range(5 + 23 * i)] for i in range(n)]
+
+
+async def _start(kind: str, model_dir: str, **cfg):
+    from decode_worker.server import DecodeWorker
+    from prefill_worker.server import PrefillWorker
+
+    cls = DecodeWorker if kind == "decode" else PrefillWorker
+    timeout = cfg.pop("timeout", 30.0)
+    engine = tiny_engine(model_dir, **cfg)
+    w = cls(WorkerConfig(engine=engine.config, reservation_timeout_s=timeout), engine=engine)
+    await w.start()
+    return w
+
+
+async def _disagg_generate(decode_addr: str, prefill_addr: str, ids: list[int],
+                           params: SamplingParams, request_id: str) -> list[int]:
+    """The gateway's flow in miniature: Reserve, open Decode, Prefill, collect tokens."""
+    async with grpc.aio.insecure_channel(decode_addr) as dch, \
+            grpc.aio.insecure_channel(prefill_addr) as pch:
+        d = decode_pb2_grpc.DecodeWorkerStub(dch)
+        p = prefill_pb2_grpc.PrefillWorkerStub(pch)
+        sp = sampling_to_proto(params)
+        res = await d.Reserve(decode_pb2.ReserveRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling=sp))
+        stream = d.Decode(decode_pb2.DecodeRequest(reservation_id=res.reservation_id))
+        pre = await p.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling=sp,
+            decode_address=decode_addr, reservation_id=res.reservation_id,
+            reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec))
+        tokens = []
+        async for chunk in stream:
+            tokens.extend(chunk.token_ids)
+        assert tokens[0] == pre.first_token_id
+        assert chunk.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        return tokens
+
+
+async def _free_blocks(w) -> tuple[int, int]:
+    s = await w.stats()
+    return s.load.free_blocks, s.load.total_blocks
+
+
+@pytest.mark.parametrize("n_prefill,n_decode", [(1, 1), (2, 2)])
+def test_disaggregated_equals_colocated(tiny_model_dir, n_prefill, n_decode):
+    prompts = _prompts(16)
+    reference = [o.token_ids for o in tiny_engine(tiny_model_dir).generate(prompts, GREEDY)]
+
+    async def main():
+        decodes = [await _start("decode", tiny_model_dir) for _ in range(n_decode)]
+        prefills = [await _start("prefill", tiny_model_dir, max_num_batched_tokens=64)
+                    for _ in range(n_prefill)]
+        try:
+            outs = await asyncio.gather(*[
+                _disagg_generate(decodes[i % n_decode].address, prefills[i % n_prefill].address,
+                                 ids, GREEDY, f"r{i}") for i, ids in enumerate(prompts)])
+            for w in decodes + prefills:
+                free, total = await _free_blocks(w)
+                assert free == total
+            return outs
+        finally:
+            for w in decodes + prefills:
+                await w.stop(0)
+
+    outs = asyncio.run(main())
+    assert outs == reference
+
+
+def test_corrupt_chunk_rejected_cache_untouched(tiny_model_dir):
+    async def main():
+        dec = await _start("decode", tiny_model_dir)
+        try:
+            before = dec.engine.kv_cache.data.clone()
+            async with grpc.aio.insecure_channel(dec.address) as ch:
+                d = decode_pb2_grpc.DecodeWorkerStub(ch)
+                res = await d.Reserve(decode_pb2.ReserveRequest(
+                    request_id="bad", prompt_token_ids=list(range(40)),
+                    sampling=sampling_to_proto(GREEDY)))
+                from kvtransfer.wire import encode_layer
+                spec = dec.engine.kv_spec
+                k = dec.engine.kv_cache.data[0, 0, :res.num_blocks].clone() + 1
+                chunks = list(encode_layer(res.reservation_id, 0, list(range(res.num_blocks)),
+                                           k, k.clone()))
+                bad = chunks[0]
+                payload = bytearray(bad.payload)
+                payload[5] ^= 0xFF
+                bad.payload = bytes(payload)
+
+                async def msgs():
+                    yield kvtransfer_pb2.KVMessage(chunk=bad)
+
+                kv = kvtransfer_pb2_grpc.KVTransferStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await kv.Push(msgs())
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "crc32" in e.value.details()
+                # the reservation is gone: its Decode stream is refused
+                await asyncio.sleep(0.2)
+                with pytest.raises(grpc.aio.AioRpcError) as e2:
+                    async for _ in d.Decode(decode_pb2.DecodeRequest(
+                            reservation_id=res.reservation_id)):
+                        pass
+                assert e2.value.code() == grpc.StatusCode.NOT_FOUND
+            assert spec.num_blocks == (await _free_blocks(dec))[0]
+            assert bool((dec.engine.kv_cache.data == before).all())
+        finally:
+            await dec.stop(0)
+
+    asyncio.run(main())
+
+
+def test_reservation_expires_and_exhaustion(tiny_model_dir):
+    async def main():
+        dec = await _start("decode", tiny_model_dir, num_kv_blocks=8, timeout=0.5)
+        try:
+            async with grpc.aio.insecure_channel(dec.address) as ch:
+                d = decode_pb2_grpc.DecodeWorkerStub(ch)
+                sp = sampling_to_proto(SamplingParams(max_tokens=8))
+                await d.Reserve(decode_pb2.ReserveRequest(
+                    request_id="a", prompt_token_ids=list(range(60)), sampling=sp))
+                assert (await _free_blocks(dec))[0] == 4
+                # more than the pool has free -> RESOURCE_EXHAUSTED, immediately
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await d.Reserve(decode_pb2.ReserveRequest(
+                        request_id="b", prompt_token_ids=list(range(100)), sampling=sp),
+                        timeout=5)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                await asyncio.sleep(1.6)
+                assert (await _free_blocks(dec))[0] == 8
+                expired = dec.metrics.reservations_expired._value.get()
+                assert expired == 1
+        finally:
+            await dec.stop(0)
+
+    asyncio.run(main())
+
+
+def test_cancelled_stream_frees_blocks(tiny_model_dir):
+    async def main():
+        dec = await _start("decode", tiny_model_dir)
+        try:
+            async with grpc.aio.insecure_channel(dec.address) as ch:
+                d = decode_pb2_grpc.DecodeWorkerStub(ch)
+                call = d.Generate(decode_pb2.ColocatedGenerateRequest(
+                    request_id="long", prompt_token_ids=list(range(30)),
+                    sampling=sampling_to_proto(SamplingParams(max_tokens=500, ignore_eos=True,
+                                                              temperature=0))))
+                got = 0
+                async for chunk in call:
+                    got += len(chunk.token_ids)
+                    if got >= 3:
+                        call.cancel()
+                        break
+                for _ in range(50):
+                    free, total = await _free_blocks(dec)
+                    if free == total and not dec.engine.seqs:
+                        break
+                    await asyncio.sleep(0.1)
+                assert free == total
+                # cancel by request id of a running request ends its stream with "abort"
+                call = d.Generate(decode_pb2.ColocatedGenerateRequest(
+                    request_id="other", prompt_token_ids=list(range(30)),
+                    sampling=sampling_to_proto(SamplingParams(max_tokens=500, ignore_eos=True))))
+                last = None
+                async for chunk in call:
+                    if last is None:
+                        r = await d.Cancel(decode_pb2.CancelRequest(request_id="other"))
+                        assert r.found
+                    last = chunk
+                assert last.finish_reason == common_pb2.FINISH_REASON_ABORT
+                assert (await _free_blocks(dec))[0] == total
+        finally:
+            await dec.stop(0)
+
+    asyncio.run(main())
