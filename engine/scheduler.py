@@ -133,8 +133,11 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             need = self.pool.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
             if not self.pool.can_allocate(need):
+                # don't sit on prefix blocks while waiting: they may be what others need
+                self._drop_prefix_hits(seq)
                 break
             seq.block_table += self.pool.allocate(need)
+            self.pool.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
             self.waiting.popleft()
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
@@ -174,11 +177,15 @@ class Scheduler:
         tokens = seq.all_token_ids
         max_blocks = (len(tokens) - 1) // self.pool.block_size
         hits = self.pool.match_prefix(tokens, max_blocks)
-        self.pool.record_prefix_query(len(tokens), len(hits) * self.pool.block_size)
         seq.block_table = hits
         seq.num_computed_tokens = len(hits) * self.pool.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.num_registered_blocks = len(hits)
+
+    def _drop_prefix_hits(self, seq: Sequence) -> None:
+        self.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
 
     def after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Advance computed counts and enter newly full blocks into the prefix cache."""

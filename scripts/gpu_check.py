@@ -9,9 +9,12 @@ every section.
 
     env                 device, versions, peak bandwidth / bf16 TFLOP/s by device name
     kernel_tests        tests/test_kernels.py + tests/test_triton_backend.py, compiled
-    decode_bandwidth    paged decode GB/s (split-K heuristic, forced on, forced off; a
-                        small tile sweep) beside SDPA on contiguous K/V
-    prefill_tflops      varlen prefill TFLOP/s (config sweep) beside causal SDPA
+    decode_bandwidth    paged decode GB/s (split-K heuristic and its choice, forced on,
+                        forced off; small tile sweeps) beside SDPA on contiguous K/V
+    prefill_tflops      varlen prefill TFLOP/s (block_m/block_n/warps/stages sweep, the
+                        default config recorded) beside causal SDPA
+
+`--only a,b` runs just those sections (in the order above).
     engine_throughput   SmolLM2 generate() tokens/s with the triton backend (+ a greedy
                         parity glance against the torch backend)
 """
@@ -36,8 +39,8 @@ TOTAL_BUDGET_S = 450  # under the 8 minutes asked for, leaving room for setup
 SECTIONS = {  # name -> time box in seconds
     "env": 40,
     "kernel_tests": 170,
-    "decode_bandwidth": 80,
-    "prefill_tflops": 80,
+    "decode_bandwidth": 100,
+    "prefill_tflops": 150,  # ~20 sweep configs, each a compile
     "engine_throughput": 120,
 }
 # (peak HBM bytes/s, dense bf16 FLOP/s) by a substring of torch's device name; first match.
@@ -159,7 +162,12 @@ def decode_point(device: str, dtype, batch: int, ctx: int, hq: int, hkv: int, d:
                  peak_bw: float | None, sweep: list[dict] | None, **launch) -> dict:
     import torch
 
-    from engine.kernels.paged_decode_attention import paged_decode_attention
+    from engine.kernels.paged_decode_attention import (
+        DEFAULT_PARTITION_SIZE,
+        device_sm_count,
+        paged_decode_attention,
+        use_split_k,
+    )
 
     time_ms = _timer(device)
     k, v, tables = _paged_cache(batch, ctx, hkv, d, bs, dtype, device)
@@ -179,8 +187,12 @@ def decode_point(device: str, dtype, batch: int, ctx: int, hq: int, hkv: int, d:
             query=q, k_cache=k, v_cache=v, seq_lens=lens, block_tables=tables, scale=d ** -0.5,
             max_seq_len=ctx, split_k=split_k, validate=False, **args)
 
+    heuristic_split = use_split_k(
+        batch_size=batch, num_kv_heads=hkv, max_seq_len=ctx, num_sms=device_sm_count(q.device),
+        partition_size=launch.get("partition_size", DEFAULT_PARTITION_SIZE))
     out = {"batch": batch, "context": ctx, "heads": [hq, hkv, d], "block_size": bs,
-           "bytes": nbytes, "triton_heuristic": gbps(time_ms(run(None))),
+           "bytes": nbytes, "heuristic_split": heuristic_split,
+           "triton_heuristic": gbps(time_ms(run(None))),
            "triton_split": gbps(time_ms(run(True))),
            "triton_nosplit": gbps(time_ms(run(False)))}
     # SDPA on the same K/V made contiguous [B, Hkv, ctx, D] (no paging).
@@ -203,7 +215,13 @@ def prefill_point(device: str, dtype, chunks: list[tuple[int, int]], hq: int, hk
     """chunks: (query_len, seq_len) per sequence; SDPA only where there is no prefix."""
     import torch
 
-    from engine.kernels.prefill_attention import prefill_attention
+    from engine.kernels.prefill_attention import (
+        DEFAULT_BLOCK_M,
+        DEFAULT_BLOCK_N,
+        DEFAULT_NUM_STAGES,
+        default_num_warps,
+        prefill_attention,
+    )
 
     time_ms = _timer(device)
     batch, max_ctx = len(chunks), max(s for _, s in chunks)
@@ -230,8 +248,12 @@ def prefill_point(device: str, dtype, chunks: list[tuple[int, int]], hq: int, hk
             query=q, k_cache=k, v_cache=v, cu_seqlens=cu_t, seq_lens=lens, block_tables=tables,
             scale=d ** -0.5, max_query_len=max(ql for ql, _ in chunks), validate=False, **args)
 
+    block_m = launch.get("block_m", DEFAULT_BLOCK_M)
+    config = {"block_m": block_m, "block_n": launch.get("block_n", DEFAULT_BLOCK_N),
+              "num_warps": launch.get("num_warps") or default_num_warps(block_m, d),
+              "num_stages": launch.get("num_stages", DEFAULT_NUM_STAGES)}
     out = {"chunks": chunks, "heads": [hq, hkv, d], "block_size": bs, "flops": flops,
-           "triton": tflops(time_ms(run()))}
+           "config": config, "triton": tflops(time_ms(run()))}
     if all(ql == s for ql, s in chunks) and len({s for _, s in chunks}) == 1:
         length = chunks[0][0]
         qs = q.view(batch, length, hq, d).transpose(1, 2)
@@ -325,9 +347,12 @@ def section_decode_bandwidth(res: Result, dry_run: bool) -> None:
     for b, ctx in ((1, 8192), (8, 4096), (32, 1024), (128, 2048), (256, 512)):
         guarded(res, f"b{b}_ctx{ctx}", decode_point, "cuda", dt, b, ctx, peak_bw=bw,
                 sweep=None, **main)
-    # SmolLM2-135M's own shape (9 query / 3 kv heads, head_dim 64).
+    # SmolLM2-135M's own shape (9 query / 3 kv heads, head_dim 64): 128-byte K/V rows, so
+    # longer tiles carry as many bytes per iteration as the head_dim 128 shape's.
+    small_sweep = [{"tile_n": t, "num_warps": w} for t, w in ((128, 4), (128, 8), (256, 8))] \
+        + [{"split_k": True, "tile_n": t, "num_warps": 4} for t in (64, 128)]
     guarded(res, "smollm2_b64_ctx2048", decode_point, "cuda", dt, 64, 2048, 9, 3, 64, 16, bw,
-            None)
+            small_sweep)
 
 
 def section_prefill_tflops(res: Result, dry_run: bool) -> None:
@@ -342,9 +367,14 @@ def section_prefill_tflops(res: Result, dry_run: bool) -> None:
         return
     dt = torch.bfloat16
     main = {"hq": 32, "hkv": 8, "d": 128, "bs": 16}
+    # block_m counts query-tile rows: positions x the GROUP heads of one KV head (GQA
+    # packing), so 128 rows are 32 positions of 4 heads here, 42 of 3 for SmolLM2.
+    # The default (config in each point) is 128 x 64, 8 warps, 3 stages for head_dim 128.
     sweep = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
-             for m, n, w, s in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3),
-                                (64, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2))]
+             for m, n, w, s in ((128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2),
+                                (128, 128, 8, 3), (128, 32, 8, 3), (64, 64, 4, 2),
+                                (64, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 2),
+                                (128, 64, 4, 3))]
     guarded(res, "4x2048", prefill_point, "cuda", dt, [(2048, 2048)] * 4, peak_flops=flops,
             sweep=sweep, **main)
     guarded(res, "1x8192", prefill_point, "cuda", dt, [(8192, 8192)], peak_flops=flops,
@@ -353,8 +383,12 @@ def section_prefill_tflops(res: Result, dry_run: bool) -> None:
             sweep=None, **main)
     guarded(res, "chunk2048_on_prefix6144", prefill_point, "cuda", dt, [(2048, 8192)],
             peak_flops=flops, sweep=None, **main)
+    small_sweep = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
+                   for m, n, w, s in ((128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 4, 3),
+                                      (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3),
+                                      (256, 64, 8, 3))]
     guarded(res, "smollm2_4x2048", prefill_point, "cuda", dt, [(2048, 2048)] * 4, 9, 3, 64, 16,
-            flops, None)
+            flops, small_sweep)
 
 
 def _engine_model() -> str:

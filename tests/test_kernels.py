@@ -123,11 +123,20 @@ def test_decode_matches_reference(block_size, head_dim, group, seq_lens, split_k
     torch.testing.assert_close(out.float().cpu(), ref, **TOL[dtype])
 
 
-def test_split_k_heuristic():
-    # Few programs and long contexts -> split; a full grid or short contexts -> not.
-    assert use_split_k(batch_size=1, num_kv_heads=8, max_seq_len=8192, num_sms=132)
-    assert not use_split_k(batch_size=64, num_kv_heads=8, max_seq_len=8192, num_sms=132)
-    assert not use_split_k(batch_size=1, num_kv_heads=8, max_seq_len=300, num_sms=132)
+@pytest.mark.parametrize("batch,kv_heads,ctx,split", [
+    # Few programs and long contexts -> split; a full grid or short contexts -> not. The
+    # H200 timings behind each row (us, split vs not) are in docs/gpu_report.json.
+    (1, 8, 8192, True),  # 117 vs 217
+    (8, 8, 4096, True),  # 55 vs 118
+    (64, 3, 2048, True),  # SmolLM2's shape: 56 vs 63
+    (32, 8, 1024, False),  # two partitions do not pay for the reduce: 63 vs 49
+    (64, 8, 2048, False),  # 512 programs fill the GPU: 206 vs 137
+    (256, 8, 512, False),
+    (1, 8, 300, False),
+])
+def test_split_k_heuristic(batch, kv_heads, ctx, split):
+    assert use_split_k(batch_size=batch, num_kv_heads=kv_heads, max_seq_len=ctx,
+                       num_sms=132) is split
 
 
 # ---------------------------------------------------------------- prefill
@@ -135,11 +144,19 @@ def test_split_k_heuristic():
 
 @pytest.mark.parametrize("block_size,head_dim,group,chunks,dtype,block_mn", [
     # chunks: (query_len, seq_len); seq_len > query_len means a cached prefix.
-    (8, 64, 1, [(1, 1), (7, 7), (8, 8), (9, 9)], F32, 16),
-    (16, 128, 3, [(5, 40), (17, 17), (1, 16), (16, 33)], F32, 16),
-    (32, 64, 8, [(40, 100), (33, 33)], F32, 32),
-    (16, 64, 3, [(20, 50), (2, 2)], F16, 16),
-    (8, 64, 1, [(20, 50), (3, 3)], BF16, 16),
+    # block_mn (block_m, block_n) rows: the query tile packs `group` heads per position,
+    # so block_m 16 with group 3 is 5 positions and a padding row, group 8 is 2 positions.
+    (8, 64, 1, [(1, 1), (7, 7), (8, 8), (9, 9)], F32, (16, 16)),
+    (16, 128, 3, [(5, 40), (17, 17), (1, 16), (16, 33)], F32, (16, 16)),
+    (32, 64, 8, [(40, 100), (33, 33)], F32, (32, 32)),
+    (16, 64, 3, [(20, 50), (2, 2)], F16, (16, 16)),
+    (8, 64, 1, [(20, 50), (3, 3)], BF16, (16, 16)),
+    # group 24 > block_m 16: raised to 32 rows, one position each, 8 padding rows.
+    (8, 64, 24, [(9, 30), (4, 4)], F32, (16, 16)),
+    # head_dim 80 pads to 128 (masked head_dim); launcher defaults (128 x 64 tiles).
+    (16, 80, 3, [(50, 120), (70, 70), (1, 9)], BF16, None),
+    # block_n 32 < block_size 64: tiles inside one block; block_m 64 / group 4 = 16 rows.
+    (64, 64, 4, [(45, 200), (64, 64)], F16, (64, 32)),
 ])
 def test_prefill_matches_reference(block_size, head_dim, group, chunks, dtype, block_mn):
     gen = torch.Generator().manual_seed(2)
@@ -158,7 +175,8 @@ def test_prefill_matches_reference(block_size, head_dim, group, chunks, dtype, b
         query=query, k_cache=k_cache, v_cache=v_cache,
         cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEV),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-        block_tables=tables, scale=scale, block_m=block_mn, block_n=block_mn)
+        block_tables=tables, scale=scale,
+        **({} if block_mn is None else {"block_m": block_mn[0], "block_n": block_mn[1]}))
     q32, k32, v32 = _f32(query, k_cache, v_cache)
     ref = prefill_attention_reference(q32, k32, v32, cu, seq_lens, tables.cpu(), scale)
     torch.testing.assert_close(out.float().cpu(), ref, **TOL[dtype])
@@ -310,6 +328,7 @@ def test_padding_past_a_sequence_is_not_checked():
     (lambda a: a.update(seq_lens=torch.tensor([12, 1], device=DEV)), "outside"),
     (lambda a: a["block_tables"].__setitem__((0, 0), 99), "block id 99"),
     (lambda a: a.update(block_tables=a["block_tables"][:1]), "block_tables must be"),
+    (lambda a: a.update(scale=0.0), "scale must be > 0"),
 ])
 def test_prefill_rejects(change, match):
     args = _small()

@@ -8,8 +8,10 @@ Each kernel's torch reference lives in `engine.attention.torch_backend` (one way
 thing) and `tests/test_kernels.py` holds the two against each other.
 
 This module owns what the launchers share: the interpreter switch, argument checks that
-turn bad input into a clear ValueError before anything is launched, and `paged_offsets`,
-the one place a (sequence position -> cache element) offset is computed, in int64.
+turn bad input into a clear ValueError before anything is launched, and the one place a
+(sequence position -> cache element) offset is computed, in int64: `block_ids` (the block
+table lookup, split out so a kernel can issue it a tile ahead of its K/V loads) and
+`paged_row_offsets`, composed by `paged_offsets`.
 
 On a machine without a GPU the kernels run under the Triton interpreter, which is chosen
 when a kernel is *decorated*: `TRITON_INTERPRET=1` must be in the environment before these
@@ -136,6 +138,34 @@ def dot_flags(dtype: torch.dtype) -> dict[str, object]:
 
 
 @triton.jit
+def block_ids(
+    block_table_row_ptr,  # this sequence's row of block_tables
+    pos,  # [N] token positions within the sequence
+    pos_mask,  # [N] positions that exist; others get block 0, read harmlessly or masked
+    BLOCK_SIZE: tl.constexpr,
+):
+    """[N] block id holding each position (a load: kernels fetch it one tile ahead)."""
+    return tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0)
+
+
+@triton.jit
+def paged_row_offsets(
+    block_id,  # [N] from `block_ids`
+    pos,  # [N] the same positions
+    head,  # kv head index (scalar)
+    stride_block,
+    stride_slot,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """[N] int64 element offsets of the first head_dim element of each position's K/V."""
+    # int64 before any multiply: block_id * stride_block passes 2**31 for big caches.
+    return (block_id.to(tl.int64) * stride_block
+            + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
+            + head.to(tl.int64) * stride_head)
+
+
+@triton.jit
 def paged_offsets(
     block_table_row_ptr,  # this sequence's row of block_tables
     pos,  # [N] token positions within the sequence
@@ -148,9 +178,7 @@ def paged_offsets(
     BLOCK_SIZE: tl.constexpr,
 ):
     """[N, D] int64 element offsets of K/V for `pos` of one sequence in the paged cache."""
-    block_id = tl.load(block_table_row_ptr + pos // BLOCK_SIZE, mask=pos_mask, other=0)
-    # int64 before any multiply: block_id * stride_block passes 2**31 for big caches.
-    row = (block_id.to(tl.int64) * stride_block
-           + (pos % BLOCK_SIZE).to(tl.int64) * stride_slot
-           + head.to(tl.int64) * stride_head)
+    block_id = block_ids(block_table_row_ptr, pos, pos_mask, BLOCK_SIZE)
+    row = paged_row_offsets(block_id, pos, head, stride_block, stride_slot, stride_head,
+                            BLOCK_SIZE)
     return row[:, None] + offs_d[None, :]

@@ -7,8 +7,19 @@ larger batch's offsets can be passed as is); its context is seq_lens[i] tokens, 
 the last `chunk length` are the chunk itself, already stored by the model. A query at
 absolute position p sees keys 0..p: the whole cached prefix, and itself causally.
 
-One program per (sequence, BLOCK_M query rows, query head). Its key loop has two phases:
-tiles every row of the block sees (no mask at all), then the causal diagonal (masked).
+One program per (sequence, KV head, BLOCK_Q query positions). GQA packing: the program's
+BLOCK_M-row query tile holds all GROUP query heads of its KV head for those positions, row
+r being position r // GROUP of head r % GROUP (BLOCK_Q = BLOCK_M // GROUP; rows past
+BLOCK_Q * GROUP are padding). Each K/V tile is thus loaded once per KV head rather than
+once per query head, and the causal diagonal spans only BLOCK_Q positions.
+
+The grid's last axis walks the query blocks from the last (most keys to see) to the
+first, so the longest programs start first and short ones fill the tail.
+
+The key loop has two phases: tiles every row sees (no mask at all), then the causal
+diagonal (masked). In both, the block ids of the next tile are loaded one iteration ahead
+and carried, so the K/V loads' addresses never wait on a load of the same iteration and
+Triton's pipeliner treats them as direct loads, prefetched `num_stages - 1` tiles ahead.
 
 The torch reference beside it is `engine.attention.torch_backend.prefill_attention_reference`.
 """
@@ -22,53 +33,66 @@ import triton
 import triton.language as tl
 
 from engine.kernels import (
+    block_ids,
     check_device,
     check_index,
     check_kv_cache,
     check_last_dim_contiguous,
     check_seq_lens_and_blocks,
     dot_flags,
-    paged_offsets,
+    paged_row_offsets,
 )
 
-DEFAULT_BLOCK_M = 64
+DEFAULT_BLOCK_M = 128  # query rows per program: (positions x heads of one KV group)
 DEFAULT_BLOCK_N = 64
+DEFAULT_NUM_STAGES = 3
+_MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite, see paged_decode_attention
+
+
+def default_num_warps(block_m: int, head_dim: int) -> int:
+    """Warps so that the fp32 accumulator stays ~64 registers per thread (4..8 warps)."""
+    return max(4, min(8, block_m * triton.next_power_of_2(head_dim) // 2048))
 
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, tile_start, qpos, k_cache_ptr, v_cache_ptr, table_row, kv_head, offs_d,
-    d_mask, stride_cb, stride_cs, stride_ch, qk_scale,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    q, acc, m_i, l_i, ids, tile_start, qpos, seq_end, k_cache_ptr, v_cache_ptr, kv_head,
+    offs_n, offs_d, stride_cb, stride_cs, stride_ch, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """One online-softmax step over keys [tile_start, tile_start + BLOCK_N)."""
-    kpos = tile_start + tl.arange(0, BLOCK_N)
+    """One online-softmax step over keys [tile_start, tile_start + BLOCK_N); `ids` holds
+    their block ids. Unmasked tiles lie inside every row's context: no mask at all."""
+    kpos = tile_start + offs_n
+    rows = paged_row_offsets(ids, kpos, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+    kv_off = rows[:, None] + offs_d[None, :]
     if MASKED:
-        # Rows past the chunk have qpos past seq_len - 1, so this also bounds the keys.
-        seq_end = tl.max(qpos, axis=0) + 1
-        kpos_mask = kpos < seq_end
-    else:
-        kpos_mask = kpos >= 0  # all true: the tile lies inside every row's context
-    kv_off = paged_offsets(table_row, kpos, kpos_mask, kv_head, offs_d, stride_cb, stride_cs,
-                           stride_ch, BLOCK_SIZE)
-    if MASKED:
-        kv_mask = kpos_mask[:, None] & d_mask[None, :]
+        # Keys past the last valid row's position: never seen, and their slots may hold
+        # anything (0 * nan in the PV dot), so they load as zeros.
+        kv_mask = kpos[:, None] < seq_end
+        if not EVEN_D:
+            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_cache_ptr + kv_off)
+        v = tl.load(v_cache_ptr + kv_off)
     else:
-        k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+        d_mask = offs_d[None, :] < HEAD_DIM
+        k = tl.load(k_cache_ptr + kv_off, mask=d_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=d_mask, other=0.0)
     if UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
     if MASKED:
         s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # qk_scale > 0 (the launcher checks), so scaling commutes with max and folds into
+    # one multiply-add per element below.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -83,7 +107,7 @@ def _prefill_kernel(
     cu_seqlens_ptr,  # [P+1]
     seq_lens_ptr,  # [P]
     block_tables_ptr,  # [P, max_blocks]
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e), > 0
     stride_qt,
     stride_qh,
     stride_ot,
@@ -95,60 +119,78 @@ def _prefill_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows of the query tile, a power of two >= GROUP
+    BLOCK_Q: tl.constexpr,  # query positions per program: BLOCK_M // GROUP
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,  # HEAD_DIM == BLOCK_D: no head_dim masks
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
-    m_block = tl.program_id(1)
-    head = tl.program_id(2)
+    kv_head = tl.program_id(1)
+    q_block = tl.num_programs(2) - 1 - tl.program_id(2)  # longest first
     base = tl.load(cu_seqlens_ptr)
     q_start = tl.load(cu_seqlens_ptr + seq) - base
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - base - q_start
-    if m_block * BLOCK_M >= q_len:
+    if q_block * BLOCK_Q >= q_len:
         return  # the grid is sized for the longest chunk
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Row r: query position q_block * BLOCK_Q + r // GROUP, query head kv_head * GROUP +
+    # r % GROUP; a token's GROUP heads are adjacent rows (and adjacent in memory).
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_q = q_block * BLOCK_Q + offs_r // GROUP
+    heads = kv_head * GROUP + offs_r % GROUP
+    r_mask = (offs_r < BLOCK_Q * GROUP) & (offs_q < q_len)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < q_len
-    d_mask = offs_d < HEAD_DIM
-    rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    offs_n = tl.arange(0, BLOCK_N)
+    if EVEN_D:
+        io_mask = r_mask[:, None]
+    else:
+        io_mask = r_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    row_q = (q_start + offs_q).to(tl.int64)
+    q = tl.load(q_ptr + row_q[:, None] * stride_qt + heads[:, None].to(tl.int64) * stride_qh
+                + offs_d[None, :], mask=io_mask, other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
-    qpos = prefix + offs_m  # absolute positions; rows past the chunk are never stored
 
-    kv_head = head // GROUP
+    first_pos = prefix + q_block * BLOCK_Q  # absolute position of the block's first row
+    last_pos = prefix + tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
+    # Padding rows take the last valid position: they widen no key range and stay finite.
+    qpos = tl.where(r_mask, prefix + offs_q, last_pos)
+
     table_row = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Phase 1: keys 0..first_pos are visible to every row of this block.
-    first_pos = prefix + m_block * BLOCK_M
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    ids = block_ids(table_row, offs_n, offs_n < seq_len, BLOCK_SIZE)
     for tile_start in range(0, full_end, BLOCK_N):
+        next_pos = tile_start + BLOCK_N + offs_n
+        ids_next = block_ids(table_row, next_pos, next_pos < seq_len, BLOCK_SIZE)
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, tile_start, qpos, k_cache_ptr, v_cache_ptr, table_row, kv_head,
-            offs_d, d_mask, stride_cb, stride_cs, stride_ch, qk_scale, BLOCK_SIZE, BLOCK_N,
-            False, DOT_PRECISION, UPCAST_DOT)
-    # Phase 2: the diagonal, up to the last valid row's position.
-    last_pos = prefix + tl.minimum(q_len, (m_block + 1) * BLOCK_M) - 1
+            q, acc, m_i, l_i, ids, tile_start, qpos, last_pos + 1, k_cache_ptr, v_cache_ptr,
+            kv_head, offs_n, offs_d, stride_cb, stride_cs, stride_ch, qk_scale, HEAD_DIM,
+            BLOCK_SIZE, False, EVEN_D, DOT_PRECISION, UPCAST_DOT)
+        ids = ids_next
+    # Phase 2: the diagonal, up to the last valid row's position; `ids` is its first tile's.
     for tile_start in range(full_end, last_pos + 1, BLOCK_N):
+        next_pos = tile_start + BLOCK_N + offs_n
+        ids_next = block_ids(table_row, next_pos, next_pos < seq_len, BLOCK_SIZE)
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, tile_start, tl.where(m_mask, qpos, last_pos), k_cache_ptr,
-            v_cache_ptr, table_row, kv_head, offs_d, d_mask, stride_cb, stride_cs, stride_ch,
-            qk_scale, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST_DOT)
+            q, acc, m_i, l_i, ids, tile_start, qpos, last_pos + 1, k_cache_ptr, v_cache_ptr,
+            kv_head, offs_n, offs_d, stride_cb, stride_cs, stride_ch, qk_scale, HEAD_DIM,
+            BLOCK_SIZE, True, EVEN_D, DOT_PRECISION, UPCAST_DOT)
+        ids = ids_next
 
     out = acc / l_i[:, None]
-    o_off = rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & d_mask[None, :])
+    o_off = row_q[:, None] * stride_ot + heads[:, None].to(tl.int64) * stride_oh \
+        + offs_d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def prefill_attention(
@@ -164,8 +206,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int = DEFAULT_NUM_STAGES,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of query [Tq, Hq, D] chunks over their cached prefix and themselves.
@@ -173,6 +215,8 @@ def prefill_attention(
     cu_seqlens [P+1] (chunk offsets into query, relative to cu_seqlens[0]); seq_lens [P]
     context length after the chunk; block_tables [P, max_blocks]. `max_query_len` (a host
     int) sizes the grid without a sync. `validate=False` skips the device-value checks.
+    `block_m` counts query-tile rows, i.e. positions x the GROUP query heads of a KV head
+    (raised to GROUP's next power of two if smaller); `num_warps=None` picks by tile size.
     """
     num_blocks, block_size, kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     if query.dim() != 3 or query.shape[2] != head_dim:
@@ -185,6 +229,8 @@ def prefill_attention(
         raise ValueError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype}")
     if head_dim < 16:
         raise ValueError(f"head_dim must be >= 16 (tl.dot), got {head_dim}")
+    if not scale > 0:  # the kernel takes the row max before scaling
+        raise ValueError(f"scale must be > 0, got {scale}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"cu_seqlens must be [P+1], got {tuple(cu_seqlens.shape)}")
     num_seqs = cu_seqlens.shape[0] - 1
@@ -217,7 +263,15 @@ def prefill_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
-    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
+    group = num_heads // kv_heads
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    if num_warps is None:
+        num_warps = default_num_warps(block_m, head_dim)
+    grid = (num_seqs, kv_heads, triton.cdiv(max_query_len, block_q))
+    if grid[2] > _MAX_GRID_Z:
+        raise ValueError(f"max_query_len {max_query_len} needs {grid[2]} query blocks of "
+                         f"{block_q} (> {_MAX_GRID_Z}): raise block_m or split the chunk")
     _prefill_kernel[grid](
         q_ptr=query,
         k_cache_ptr=k_cache,
@@ -235,12 +289,14 @@ def prefill_attention(
         stride_cs=k_cache.stride(1),
         stride_ch=k_cache.stride(2),
         stride_bt=block_tables.stride(0),
-        GROUP=num_heads // kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
+        BLOCK_Q=block_q,
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        EVEN_D=triton.next_power_of_2(head_dim) == head_dim,
         num_warps=num_warps,
         num_stages=num_stages,
         **dot_flags(k_cache.dtype),

@@ -1,0 +1,13 @@
+"""The gateway: client APIs (gRPC `pdserve.v1.Gateway`, OpenAI-compatible HTTP),
+tokenization, admission, routing and the worker registry.
+
+- `server`: `Gateway(GatewayConfig)` — the process (start/stop, ports, housekeeping).
+- `orchestrator`: the request life cycle across tiers.
+- `admission`, `router`, `registry`: plain-Python policy, unit-tested without a network.
+- `prompts`, `output`: tokenization and validation in; detokenization and stop strings out.
+- `grpc_api`, `http_api`, `openai_protocol`: the client-facing translations.
+"""
+
+from gateway.server import Gateway, GatewayConfig
+
+__all__ = ["Gateway", "GatewayConfig"]

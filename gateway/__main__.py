@@ -1,0 +1,96 @@
+"""`python -m gateway`: run the pdserve gateway (gRPC + OpenAI HTTP) until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from gateway.server import Gateway, GatewayConfig
+
+_D = GatewayConfig(model="")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="The pdserve gateway: the gRPC Gateway API and an OpenAI-compatible HTTP "
+                    "API in one process. It tokenizes, admits, routes each request to a "
+                    "decode worker (and a prefill worker), and streams the tokens back. "
+                    "Workers register themselves over gRPC, or are listed with --prefill "
+                    "and --decode. Loads the tokenizer and config only, never weights.")
+    p.add_argument("--model", required=True,
+                   help="model id served, as the workers were given it: the alias "
+                        "'smollm2-135m', a Hugging Face directory or a .gguf file")
+    p.add_argument("--host", default=_D.host,
+                   help=f"address both servers bind to (default {_D.host})")
+    p.add_argument("--http-port", type=int, default=_D.http_port,
+                   help=f"OpenAI HTTP port, 0 picks a free one (default {_D.http_port})")
+    p.add_argument("--grpc-port", type=int, default=_D.grpc_port,
+                   help=f"gRPC port, 0 picks a free one (default {_D.grpc_port})")
+    p.add_argument("--prefill", default="", metavar="ADDRS",
+                   help="static prefill workers, host:port,... (polled via Stats)")
+    p.add_argument("--decode", default="", metavar="ADDRS",
+                   help="static decode workers, host:port,... (polled via Stats)")
+    p.add_argument("--disagg-threshold", type=int, default=_D.disagg_threshold, metavar="N",
+                   help="prompts shorter than N tokens run colocated on a decode worker; "
+                        "0 always disaggregates (default 0). Without prefill workers every "
+                        "request runs colocated")
+    p.add_argument("--max-queue", type=int, default=_D.max_queue, metavar="N",
+                   help="requests waiting for admission, all priorities together; more are "
+                        f"refused with 429 / RESOURCE_EXHAUSTED (default {_D.max_queue})")
+    p.add_argument("--max-inflight", type=int, default=_D.max_inflight, metavar="N",
+                   help=f"requests in flight to the workers at once (default {_D.max_inflight})")
+    p.add_argument("--heartbeat-timeout", type=float, default=_D.heartbeat_timeout_s,
+                   metavar="S", help="a worker silent this many seconds gets no more traffic "
+                                     f"(default {_D.heartbeat_timeout_s:g})")
+    p.add_argument("--default-max-tokens", type=int, default=_D.default_max_tokens,
+                   metavar="N", help="max_tokens when a request sets none (capped by the "
+                                     f"context left; default {_D.default_max_tokens})")
+    p.add_argument("--grace", type=float, default=_D.grace_s, metavar="S",
+                   help=f"on SIGTERM, seconds in-flight requests get to finish "
+                        f"(default {_D.grace_s:g})")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        model=a.model, host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
+        prefill=tuple(filter(None, a.prefill.split(","))),
+        decode=tuple(filter(None, a.decode.split(","))), disagg_threshold=a.disagg_threshold,
+        max_queue=a.max_queue, max_inflight=a.max_inflight,
+        heartbeat_timeout_s=a.heartbeat_timeout, default_max_tokens=a.default_max_tokens,
+        grace_s=a.grace)
+
+
+async def serve(config: GatewayConfig) -> None:
+    gw = Gateway(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await gw.start()
+    print(f"gateway ready: grpc={gw.grpc_address} http={gw.http_url}", file=sys.stderr,
+          flush=True)
+    await stop.wait()
+    await gw.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(a)
+    except ValueError as e:
+        print(f"gateway: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

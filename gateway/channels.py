@@ -1,0 +1,82 @@
+"""gRPC channels to workers, one per address, opened on first use and shared by every
+request to that worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger("pdserve.gateway")
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
+            ("grpc.max_send_message_length", 64 * 2**20),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1)]
+
+
+@dataclass(frozen=True)
+class WorkerStubs:
+    channel: grpc.aio.Channel
+    decode: decode_pb2_grpc.DecodeWorkerStub
+    prefill: prefill_pb2_grpc.PrefillWorkerStub
+
+
+class WorkerChannels:
+    def __init__(self) -> None:
+        self._stubs: dict[str, WorkerStubs] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def get(self, address: str) -> WorkerStubs:
+        s = self._stubs.get(address)
+        if s is None:
+            ch = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            s = WorkerStubs(ch, decode_pb2_grpc.DecodeWorkerStub(ch),
+                            prefill_pb2_grpc.PrefillWorkerStub(ch))
+            self._stubs[address] = s
+        return s
+
+    def cancel(self, address: str, request_id: str = "", reservation_id: str = "",
+               reason: str = "") -> None:
+        """Fire-and-forget DecodeWorker.Cancel, so the worker frees the request's blocks
+        now. Safe to call from a `finally` while the caller is being cancelled."""
+        if reservation_id:
+            req = decode_pb2.CancelRequest(reservation_id=reservation_id, reason=reason)
+        else:
+            req = decode_pb2.CancelRequest(request_id=request_id, reason=reason)
+        stub = self.get(address).decode
+
+        async def send() -> None:
+            try:
+                await stub.Cancel(req, timeout=5.0)
+            except grpc.aio.AioRpcError as e:
+                log.debug("Cancel at %s failed: %s", address, e.code().name)
+
+        t = asyncio.get_running_loop().create_task(send())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def close_soon(self, address: str) -> None:
+        """Close a channel from synchronous code (a worker left the registry)."""
+        t = asyncio.get_running_loop().create_task(self.close(address))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait for outstanding Cancel calls (at shutdown)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+
+    async def close(self, address: str) -> None:
+        s = self._stubs.pop(address, None)
+        if s is not None:
+            await s.channel.close()
+
+    async def close_all(self) -> None:
+        await self.drain()
+        for addr in list(self._stubs):
+            await self.close(addr)

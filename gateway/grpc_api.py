@@ -1,0 +1,129 @@
+"""The gRPC face of the gateway: `pdserve.v1.Gateway`. Translates messages to the
+gateway's dataclasses and back; the work is the orchestrator's and the registry's."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import grpc
+
+from gateway.convert import (
+    FINISH_TO_PROTO,
+    kv_spec_from_proto,
+    load_from_proto,
+    logprobs_to_proto,
+    sampling_fields_from_proto,
+    timing_to_proto,
+)
+from gateway.errors import GatewayError
+from gateway.orchestrator import Orchestrator
+from gateway.prompts import PromptProcessor
+from gateway.registry import Role, WorkerRegistry
+from gateway.request import GenerationRequest
+from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger("pdserve.gateway")
+
+_ROLES = {gateway_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
+          gateway_pb2.WORKER_ROLE_DECODE: Role.DECODE}
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, prompts: PromptProcessor, orchestrator: Orchestrator,
+                 registry: WorkerRegistry, heartbeat_interval_s: float) -> None:
+        self.prompts = prompts
+        self.orchestrator = orchestrator
+        self.registry = registry
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    def build_request(self, msg: gateway_pb2.GenerateRequest,
+                      call_remaining_s: float | None) -> GenerationRequest:
+        """GatewayError(INVALID) for a bad request."""
+        arrival = time.monotonic()
+        p = self.prompts
+        p.check_model(msg.model)
+        kind = msg.WhichOneof("prompt")
+        param = {"chat": "chat", "token_ids": "token_ids"}.get(kind or "", "text")
+        if kind == "chat":
+            ids = p.render_chat([{"role": m.role, "content": m.content}
+                                 for m in msg.chat.messages])
+        elif kind == "token_ids":
+            ids = list(msg.token_ids.ids)
+        else:
+            ids = p.encode_text(msg.text, "text")
+        timeout = msg.timeout_s if msg.HasField("timeout_s") else None
+        if timeout is not None and timeout <= 0:
+            timeout = None  # the proto says: 0 means none
+        if call_remaining_s is not None:
+            timeout = call_remaining_s if timeout is None else min(timeout, call_remaining_s)
+        return p.request(msg.request_id or None, ids, sampling_fields_from_proto(msg.sampling),
+                         stop=list(msg.stop), priority=msg.priority, timeout_s=timeout,
+                         prompt_param=param, arrival=arrival)
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext):
+        try:
+            req = self.build_request(request, context.time_remaining())
+            async with contextlib.aclosing(self.orchestrator.generate(req)) as deltas:
+                async for d in deltas:
+                    out = gateway_pb2.GenerateResponse(
+                        request_id=req.request_id, text=d.text, token_ids=d.token_ids,
+                        logprobs=logprobs_to_proto(d.logprobs))
+                    if d.finished:
+                        out.finish_reason = FINISH_TO_PROTO.get(
+                            d.finish_reason or "", common_pb2.FINISH_REASON_STOP)
+                        if d.usage is not None:
+                            out.usage.CopyFrom(gateway_pb2.Usage(
+                                prompt_tokens=d.usage.prompt_tokens,
+                                completion_tokens=d.usage.completion_tokens,
+                                cached_prompt_tokens=d.usage.cached_prompt_tokens))
+                        if d.timing is not None:
+                            out.timing.CopyFrom(timing_to_proto(d.timing))
+                    yield out
+        except GatewayError as e:
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", f"{e.retry_after_s:g}"),))
+            await context.abort(e.kind.grpc_code, e.message)
+
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+        card = self.prompts.card
+        return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
+            id=card.model_id, max_context_tokens=card.max_context_tokens,
+            num_prefill_workers=len(self.registry.alive(Role.PREFILL)),
+            num_decode_workers=len(self.registry.alive(Role.DECODE)))])
+
+    async def RegisterWorker(self, request: gateway_pb2.RegisterWorkerRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> gateway_pb2.RegisterWorkerResponse:
+        w = request.worker
+        role = _ROLES.get(w.role)
+        if role is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "worker.role: must be PREFILL or DECODE")
+        try:
+            self.registry.register(w.worker_id, role, w.address, w.model,
+                                   kv_spec_from_proto(w.kv_spec), load_from_proto(w.load))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker.{e}")
+        if w.model and not self.prompts.is_model(w.model):
+            log.warning("worker %s serves model %r, this gateway %r", w.worker_id, w.model,
+                        self.prompts.card.model_id)
+        log.info("registered %s worker %s at %s", role.value, w.worker_id, w.address)
+        return gateway_pb2.RegisterWorkerResponse(
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.registry.heartbeat_timeout_s)
+
+    async def Heartbeat(self, request: gateway_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> gateway_pb2.HeartbeatResponse:
+        known = self.registry.heartbeat(request.worker_id, load_from_proto(request.load))
+        return gateway_pb2.HeartbeatResponse(known=known)
+
+    async def Deregister(self, request: gateway_pb2.DeregisterRequest,
+                         context: grpc.aio.ServicerContext) -> gateway_pb2.DeregisterResponse:
+        known = self.registry.deregister(request.worker_id)
+        if known:
+            log.info("deregistered worker %s", request.worker_id)
+        return gateway_pb2.DeregisterResponse(known=known)

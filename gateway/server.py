@@ -1,0 +1,215 @@
+"""The gateway process: one asyncio loop serving gRPC (Gateway, health, reflection) and the
+OpenAI HTTP API, plus two housekeeping tasks — expiring silent workers and polling the
+Stats of static ones.
+
+Life cycle: `start()` binds both ports with health NOT_SERVING, loads the tokenizer and
+config (never weights), then turns SERVING; `stop()` turns NOT_SERVING, stops taking
+requests, lets in-flight ones finish within the grace period, and closes the channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.model_loader import load_config, load_tokenizer, resolve_model
+from gateway.admission import AdmissionController
+from gateway.channels import WorkerChannels
+from gateway.convert import kv_spec_from_proto, load_from_proto
+from gateway.grpc_api import GatewayServicer
+from gateway.http_api import OpenAIServer
+from gateway.orchestrator import Orchestrator
+from gateway.prompts import PromptProcessor
+from gateway.registry import Role, Worker, WorkerRegistry, addresses
+from pdserve.metrics import TierMetrics
+from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger("pdserve.gateway")
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str
+    host: str = "127.0.0.1"
+    http_port: int = 8000  # 0: pick a free port
+    grpc_port: int = 50051  # 0: pick a free port
+    prefill: tuple[str, ...] = ()  # static worker addresses
+    decode: tuple[str, ...] = ()
+    disagg_threshold: int = 0  # prompts shorter than this go colocated; 0: never
+    max_queue: int = 256
+    max_inflight: int = 128
+    heartbeat_timeout_s: float = 5.0
+    default_max_tokens: int = 256
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("disagg_threshold", "max_queue"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
+        if self.heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_timeout_s must be > 0")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        object.__setattr__(self, "prefill", tuple(addresses(",".join(self.prefill))))
+        object.__setattr__(self, "decode", tuple(addresses(",".join(self.decode))))
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self.registry = WorkerRegistry(config.heartbeat_timeout_s)
+        self.channels = WorkerChannels()
+        self.admission = AdmissionController(config.max_inflight, config.max_queue)
+        self.metrics = TierMetrics(config.model, "gateway", self.gateway_id)
+        self.metrics.running.set_function(lambda: self.admission.num_inflight)
+        self.metrics.waiting.set_function(lambda: self.admission.stats().queued)
+        self.metrics.kv_usage.set_function(self._decode_kv_usage)
+        self.health = health.aio.HealthServicer()
+        self.prompts: PromptProcessor | None = None
+        self.orchestrator: Orchestrator | None = None
+        self._serving = False
+        self._server: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.registry.on_remove.append(self._on_worker_removed)
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.config.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.config.host}:{self.http_port}"
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    # -- life cycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot bind gRPC port {cfg.host}:{cfg.grpc_port}")
+
+        source = resolve_model(cfg.model)
+        # one thread: transformers' lazy imports are not safe to race
+        hf_config, tokenizer = await asyncio.to_thread(
+            lambda: (load_config(source), load_tokenizer(source)))
+        max_ctx = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+        self.prompts = PromptProcessor(cfg.model, tokenizer, max_ctx,
+                                       int(hf_config.vocab_size), cfg.default_max_tokens)
+        self.orchestrator = Orchestrator(self.registry, self.channels, self.admission,
+                                         self.metrics, tokenizer, cfg.disagg_threshold)
+        servicer = GatewayServicer(self.prompts, self.orchestrator, self.registry,
+                                   heartbeat_interval_s=min(1.0, cfg.heartbeat_timeout_s / 3))
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self._server)
+        reflection.enable_server_reflection(
+            (GATEWAY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        await self._server.start()
+
+        http = OpenAIServer(self.prompts, self.orchestrator, self.registry, self.metrics,
+                            lambda: self._serving)
+        self._runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=cfg.grace_s)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.http_port))
+        self.http_port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
+
+        for addr in cfg.prefill:
+            self.registry.add_static(Role.PREFILL, addr)
+        for addr in cfg.decode:
+            self.registry.add_static(Role.DECODE, addr)
+        await self._poll_static_once()
+        self._tasks = [asyncio.create_task(self._sweep_loop()),
+                       asyncio.create_task(self._poll_loop())]
+        self._serving = True
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("gateway %s serving %s: gRPC %s, HTTP %s (pid %d)", self.gateway_id,
+                 cfg.model, self.grpc_address, self.http_url, os.getpid())
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        grace = self.config.grace_s if grace_s is None else grace_s
+        self._serving = False
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.orchestrator is not None:
+            await self.orchestrator.drain(grace)
+        await self.channels.close_all()
+        log.info("gateway %s stopped", self.gateway_id)
+
+    async def _set_health(self, status: int) -> None:
+        await self.health.set("", status)
+        await self.health.set(GATEWAY_SERVICE, status)
+
+    # -- housekeeping -----------------------------------------------------------------------
+    async def _sweep_loop(self) -> None:
+        period = max(0.05, self.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            for w in self.registry.expire():
+                log.warning("%s worker %s at %s missed heartbeats for %.1fs: dropped",
+                            w.role.value, w.worker_id, w.address,
+                            self.config.heartbeat_timeout_s)
+
+    async def _poll_loop(self) -> None:
+        period = max(0.05, min(1.0, self.config.heartbeat_timeout_s / 3))
+        while True:
+            await asyncio.sleep(period)
+            await self._poll_static_once()
+
+    async def _poll_static_once(self) -> None:
+        workers = self.registry.static_workers()
+        if workers:
+            await asyncio.gather(*(self._poll(w) for w in workers))
+
+    async def _poll(self, w: Worker) -> None:
+        stubs = self.channels.get(w.address)
+        stub = stubs.decode if w.role is Role.DECODE else stubs.prefill
+        try:
+            s = await stub.Stats(common_pb2.StatsRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as e:
+            log.debug("Stats from %s failed: %s", w.address, e.code().name)
+            return
+        self.registry.observe(w.worker_id, s.model, kv_spec_from_proto(s.kv_spec),
+                              load_from_proto(s.load))
+
+    def _on_worker_removed(self, w: Worker) -> None:
+        in_use = any(x.address == w.address for x in self.registry.all())
+        busy = self.orchestrator is not None and self.orchestrator.inflight.get(w.worker_id)
+        if not in_use and not busy:
+            self.channels.close_soon(w.address)
+
+    def _decode_kv_usage(self) -> float:
+        ws = self.registry.alive(Role.DECODE)
+        total = sum(w.load.total_blocks for w in ws)
+        return 0.0 if total == 0 else 1.0 - sum(w.load.free_blocks for w in ws) / total

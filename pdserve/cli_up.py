@@ -1,0 +1,170 @@
+"""`pdserve up`: a whole cluster on this machine (gateway, prefill and decode workers as
+child processes) until Ctrl-C or SIGTERM. The supervision itself is `pdserve.cluster`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import time
+
+from pdserve.cluster import ClusterConfig, ClusterError, Endpoints, HealthStatus, LocalCluster
+from pdserve.engine_args import add_engine_args
+
+
+def engine_argv(a: argparse.Namespace) -> list[str]:
+    """The engine flags of `a` that differ from their defaults, as a command line for the
+    workers (`--model` excluded: the cluster passes it to every tier)."""
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_engine_args(scratch)
+    out: list[str] = []
+    for act in scratch._actions:
+        if not act.option_strings or act.dest == "model":
+            continue
+        value = getattr(a, act.dest, act.default)
+        if value == act.default:
+            continue
+        flag = act.option_strings[-1]
+        if isinstance(act, argparse._StoreTrueAction):
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _nonneg_int(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {n}")
+    return n
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "up", help="run a gateway, prefill and decode workers on this machine",
+        description="Start the gateway and the workers as local processes (all on 127.0.0.1), "
+                    "wait until every one is healthy, print the endpoints, and stop them all "
+                    "on Ctrl-C or SIGTERM. Engine flags go to every worker.")
+    p.add_argument("--prefill", type=_nonneg_int, default=1, metavar="N",
+                   help="prefill workers (default 1; 0 = no prefill tier)")
+    p.add_argument("--decode", type=_nonneg_int, default=1, metavar="M",
+                   help="decode workers (default 1)")
+    p.add_argument("--http-port", type=_nonneg_int, default=8000,
+                   help="gateway OpenAI HTTP port (default 8000; 0 = any free port)")
+    p.add_argument("--grpc-port", type=_nonneg_int, default=50051,
+                   help="gateway gRPC port (default 50051; 0 = any free port); workers take "
+                        "free ports above the gateway's")
+    p.add_argument("--disagg-threshold", type=_nonneg_int, default=None, metavar="N",
+                   help="passed to the gateway: prompts shorter than N tokens are served "
+                        "colocated (default: the gateway's)")
+    p.add_argument("--cpus", default="auto", metavar="auto|none|SPEC",
+                   help="pin workers to cores: 'auto' (default) splits this process's cores "
+                        "between prefill and decode workers, 'none' pins nothing, a SPEC such "
+                        "as 'prefill=0,decode=1' or 'prefill=0-3,decode=4-7' names each tier's "
+                        "cores. Pinned workers get --threads = their cores unless --threads "
+                        "is given. The gateway is never pinned unless SPEC names it.")
+    p.add_argument("--log-dir", default=None,
+                   help="where each process logs (default: a new temporary directory)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds to wait for every process to be healthy (default 600)")
+    p.add_argument("--grace", type=float, default=10.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL on shutdown (default 10)")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_up)
+
+
+class _Progress:
+    """One line on stderr: rewritten in place on a terminal, every few seconds otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last = ""
+        self.last_t = 0.0
+
+    def __call__(self, s: HealthStatus) -> None:
+        tiers = ", ".join(f"{t} {r}/{n}" for t, (r, n) in s.ready.items())
+        loading = ", ".join(s.loading) or "worker registration"
+        line = f"starting: {tiers} ready; waiting for {loading} ({s.elapsed_s:.0f}s)"
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line)
+            sys.stderr.flush()
+        elif line.split(" (")[0] != self.last.split(" (")[0] or time.monotonic() - self.last_t > 5:
+            print(line, file=sys.stderr, flush=True)
+            self.last_t = time.monotonic()
+        self.last = line
+
+    def done(self) -> None:
+        if self.tty and self.last:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def format_endpoints(e: Endpoints, model: str, log_dir: str) -> str:
+    lines = [f"pdserve is up (model {model})",
+             f"  OpenAI HTTP  {e.http_url}/v1   metrics {e.metrics_url}   pid {e.gateway_pid}",
+             f"  gRPC         {e.grpc_address}"]
+    for w in e.workers:
+        cpus = ",".join(map(str, w.cpus)) if w.cpus else "any"
+        lines.append(f"  {w.name:<12} {w.address}   metrics {w.metrics_url}   pid {w.pid}   "
+                     f"cpus {cpus}")
+    lines.append(f"  logs         {log_dir}")
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    curl = (f"  curl -s {e.http_url}/v1/chat/completions "
+            f"-H 'Content-Type: application/json' -d {shlex.quote(body)}")
+    lines += ["try:", curl, "Ctrl-C stops everything."]
+    return "\n".join(lines)
+
+
+def _cmd_up(a: argparse.Namespace) -> int:
+    try:
+        cfg = ClusterConfig(
+            model=a.model, num_prefill=a.prefill, num_decode=a.decode, http_port=a.http_port,
+            grpc_port=a.grpc_port, disagg_threshold=a.disagg_threshold,
+            engine_args=tuple(engine_argv(a)), cpus=a.cpus, log_dir=a.log_dir)
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(cfg)
+    print(f"pdserve up: logs in {cluster.log_dir}", file=sys.stderr, flush=True)
+
+    def on_signal(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    def on_signal_while_stopping(signum, frame) -> None:
+        cluster.kill_now.set()  # a second Ctrl-C: no more grace, SIGKILL now
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    progress = _Progress()
+    rc = 0
+    try:
+        cluster.start()
+        endpoints = cluster.wait_healthy(a.startup_timeout, progress)
+        progress.done()
+        print(format_endpoints(endpoints, a.model, str(cluster.log_dir)), flush=True)
+        while True:
+            time.sleep(1.0)
+            failed = cluster.failed()
+            if failed is not None:
+                name, code, log = failed
+                print(f"pdserve up: {name} exited with code {code}; last lines of "
+                      f"{cluster.log_path(name)}:\n{log}", file=sys.stderr)
+                rc = 1
+                break
+    except (ClusterError, ValueError) as e:
+        progress.done()
+        print(f"pdserve up: {e}", file=sys.stderr)
+        rc = 1
+    except KeyboardInterrupt:
+        progress.done()
+    finally:
+        for s in old:
+            signal.signal(s, on_signal_while_stopping)
+        print("pdserve up: stopping ...", file=sys.stderr, flush=True)
+        cluster.stop(grace=a.grace)
+        for s, h in old.items():
+            signal.signal(s, h)
+    print("pdserve up: stopped", file=sys.stderr, flush=True)
+    return rc

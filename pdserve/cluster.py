@@ -1,0 +1,526 @@
+"""A pdserve cluster as local child processes: one gateway, N prefill and M decode workers.
+
+Life cycle of a `LocalCluster`:
+
+1. `start()` picks ports (the gateway's as configured, 0 = any free; every worker's gRPC and
+   metrics ports free and above the gateway's), then spawns each tier with `python -m` in
+   its own session (so its own process group, and a Ctrl-C in the terminal reaches only
+   us), optionally pinned to CPU cores, its stdout and stderr going to `log_dir/NAME.log`.
+2. `wait_healthy(timeout)` polls every child's gRPC health service (`grpc.health.v1`,
+   service "") until all are SERVING, the gateway's HTTP `/health` answers 200 and the
+   gateway lists every worker (`ListModels`, when it implements it). A child that exits
+   meanwhile fails it at once with `ClusterError`, carrying the tail of the child's log.
+3. `stop(grace)` sends SIGTERM to every child's process group, waits up to `grace`
+   seconds, then SIGKILLs whatever group is left. It is idempotent and also runs at
+   interpreter exit; children started from the main thread additionally get SIGTERM
+   from the kernel if this process dies without stopping them (PR_SET_PDEATHSIG).
+
+`endpoints` (after `start()`) says where everything listens. Nothing here imports the
+tiers themselves: the cluster only knows their command lines.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+TIERS = ("gateway", "prefill", "decode")
+MODULES = {"gateway": "gateway", "prefill": "prefill_worker", "decode": "decode_worker"}
+
+
+class ClusterError(RuntimeError):
+    """A child failed to start, exited, or the cluster did not become healthy in time."""
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What to start. `engine_args` are passed verbatim to every worker (the flags of
+    `pdserve.engine_args`, without `--model`); `gateway_args`, `prefill_args` and
+    `decode_args` are extra flags for one tier. `cpus` is "none", "auto" or a spec such
+    as "prefill=0,decode=1" (see `assign_cpus`)."""
+
+    model: str = "smollm2-135m"
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    disagg_threshold: int | None = None
+    engine_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    cpus: str = "none"
+    log_dir: str | None = None
+    python: str = sys.executable
+    env: tuple[tuple[str, str], ...] = ()
+    modules: tuple[tuple[str, str], ...] = tuple(MODULES.items())
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("a cluster needs at least one decode worker and >= 0 prefill "
+                             f"workers, not prefill={self.num_prefill} decode={self.num_decode}")
+        if self.cpus not in ("none", "auto"):
+            parse_cpu_spec(self.cpus)  # raises ValueError with the reason
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    name: str
+    tier: str
+    address: str  # host:port of its gRPC services
+    metrics_url: str
+    pid: int
+    cpus: tuple[int, ...] | None  # None: not pinned
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    http_url: str  # the OpenAI-compatible API, e.g. http://127.0.0.1:8000
+    grpc_address: str  # the gateway's gRPC, e.g. 127.0.0.1:50051
+    gateway_pid: int
+    workers: tuple[WorkerEndpoint, ...]
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.http_url}/metrics"
+
+
+@dataclass
+class _Child:
+    name: str
+    tier: str
+    argv: list[str]
+    grpc_port: int
+    metrics_url: str
+    log_path: Path
+    cpus: tuple[int, ...] | None
+    proc: subprocess.Popen | None = None
+    healthy: bool = False
+
+
+@dataclass(frozen=True)
+class HealthStatus:
+    """Progress of `wait_healthy`, given to its callback."""
+
+    elapsed_s: float
+    ready: dict[str, tuple[int, int]] = field(default_factory=dict)  # tier -> (ready, total)
+
+    @property
+    def loading(self) -> list[str]:
+        return [t for t, (r, n) in self.ready.items() if r < n]
+
+
+# ---------------------------------------------------------------------------- CPU pinning
+
+
+def _parse_cpu_list(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.replace("+", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def parse_cpu_spec(spec: str) -> dict[str, list[int]]:
+    """'prefill=0,decode=1' or 'prefill=0-3,decode=4,5,6' -> {tier: cores}. A comma item
+    without '=' continues the previous tier's list; ranges are inclusive."""
+    out: dict[str, list[int]] = {}
+    tier = None
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item:
+            tier, item = (s.strip() for s in item.split("=", 1))
+            if tier not in TIERS:
+                raise ValueError(f"--cpus: unknown tier {tier!r} (expected one of {TIERS})")
+            out.setdefault(tier, [])
+        if tier is None:
+            raise ValueError(f"--cpus: {spec!r} must start with TIER=CORES")
+        try:
+            out[tier].extend(_parse_cpu_list(item))
+        except ValueError:
+            raise ValueError(f"--cpus: bad core list {item!r} in {spec!r}") from None
+    return out
+
+
+def _share(cores: Sequence[int], n: int) -> list[tuple[int, ...]]:
+    """Split cores into n contiguous groups; with fewer cores than n, workers share."""
+    if n == 0:
+        return []
+    if len(cores) < n:
+        return [(cores[i % len(cores)],) for i in range(n)]
+    q, r = divmod(len(cores), n)
+    groups, i = [], 0
+    for k in range(n):
+        size = q + (1 if k < r else 0)
+        groups.append(tuple(cores[i:i + size]))
+        i += size
+    return groups
+
+
+def assign_cpus(spec: str, num_prefill: int, num_decode: int,
+                available: Sequence[int] | None = None
+                ) -> dict[str, list[tuple[int, ...] | None]]:
+    """Cores for each worker, per tier: {"prefill": [cores of prefill-0, ...], "decode": ...,
+    "gateway": [cores or None]}. "none" pins nothing; "auto" splits the cores this process
+    may run on between the two worker tiers in proportion to their sizes (at least one core
+    each when there are two or more), gateway unpinned; a spec names each tier's cores,
+    which its workers then split."""
+    avail = sorted(available if available is not None else os.sched_getaffinity(0))
+    counts = {"gateway": 1, "prefill": num_prefill, "decode": num_decode}
+    if spec == "none":
+        return {t: [None] * n for t, n in counts.items()}
+    if spec == "auto":
+        tiers: dict[str, list[int]] = {}
+        if num_prefill == 0 or len(avail) == 1:
+            tiers = {"prefill": avail, "decode": avail}
+        else:
+            k = round(len(avail) * num_prefill / (num_prefill + num_decode))
+            k = min(max(k, 1), len(avail) - 1)
+            tiers = {"prefill": avail[:k], "decode": avail[k:]}
+    else:
+        tiers = parse_cpu_spec(spec)
+        bad = sorted({c for cores in tiers.values() for c in cores} - set(avail))
+        if bad:
+            raise ValueError(f"--cpus: cores {bad} are not available to this process "
+                             f"(available: {avail})")
+    out: dict[str, list[tuple[int, ...] | None]] = {}
+    for t, n in counts.items():
+        cores = tiers.get(t)
+        out[t] = list(_share(cores, n)) if cores else [None] * n
+    return out
+
+
+# ---------------------------------------------------------------------------- ports
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ports_above(host: str, start: int, n: int, taken: set[int]) -> list[int]:
+    out, port = [], start
+    while len(out) < n:
+        if port > 65535:
+            raise ClusterError(f"no {n} free ports above {start}")
+        if port not in taken and port_is_free(host, port):
+            out.append(port)
+        port += 1
+    return out
+
+
+# ---------------------------------------------------------------------------- the cluster
+
+
+def _resolve_prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up in the parent: a child between fork and exec must not dlopen."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"(no log: {e})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class LocalCluster:
+    """One gateway plus `num_prefill` prefill and `num_decode` decode workers as child
+    processes on this machine. Also a context manager: start + wait_healthy, then stop."""
+
+    def __init__(self, config: ClusterConfig | None = None, **overrides) -> None:
+        cfg = config or ClusterConfig()
+        if overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        self.config = cfg
+        self.log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="pdserve-"))
+        self._children: list[_Child] = []
+        self._endpoints: Endpoints | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.kill_now = threading.Event()  # set it to cut stop()'s grace period short
+
+    # -- planning
+
+    def _plan(self) -> list[_Child]:
+        c = self.config
+        host = c.host
+        http_port = c.http_port or free_port(host)
+        grpc_port = c.grpc_port or free_port(host)
+        for what, port in (("HTTP", http_port), ("gRPC", grpc_port)):
+            if not port_is_free(host, port):
+                raise ClusterError(f"gateway {what} port {host}:{port} is in use")
+        n_workers = c.num_prefill + c.num_decode
+        ports = _ports_above(host, max(http_port, grpc_port) + 1, 2 * n_workers,
+                             {http_port, grpc_port})
+        cpus = assign_cpus(c.cpus, c.num_prefill, c.num_decode)
+        modules = dict(c.modules)
+        py = [c.python, "-m"]
+        gateway_argv = [*py, modules["gateway"], "--model", c.model, "--host", host,
+                        "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+        if c.disagg_threshold is not None:
+            gateway_argv += ["--disagg-threshold", str(c.disagg_threshold)]
+        gateway_argv += list(c.gateway_args)
+        children = [_Child("gateway", "gateway", gateway_argv, grpc_port,
+                           f"http://{host}:{http_port}/metrics", self.log_dir / "gateway.log",
+                           cpus["gateway"][0])]
+        gateway_addr = f"{host}:{grpc_port}"
+        i = 0
+        for tier, n, extra in (("prefill", c.num_prefill, c.prefill_args),
+                               ("decode", c.num_decode, c.decode_args)):
+            for k in range(n):
+                port, mport = ports[i], ports[i + 1]
+                i += 2
+                name = f"{tier}-{k}"
+                core_set = cpus[tier][k]
+                argv = [*py, modules[tier], "--model", c.model, "--host", host,
+                        "--port", str(port), "--metrics-port", str(mport),
+                        "--gateway", gateway_addr, "--worker-id", name,
+                        *c.engine_args, *extra]
+                if core_set is not None and "--threads" not in argv:
+                    argv += ["--threads", str(len(core_set))]
+                children.append(_Child(name, tier, argv, port, f"http://{host}:{mport}/metrics",
+                                       self.log_dir / f"{name}.log", core_set))
+        self._endpoints = Endpoints(
+            http_url=f"http://{host}:{http_port}", grpc_address=gateway_addr, gateway_pid=0,
+            workers=())
+        return children
+
+    # -- life cycle
+
+    def start(self) -> Endpoints:
+        """Spawn every child (returns at once; see `wait_healthy`)."""
+        assert not self._children, "start() called twice"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        children = self._plan()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.config.env)}
+        # PDEATHSIG fires when the *thread* that forked dies: only safe from the main thread
+        prctl = _resolve_prctl() if threading.current_thread() is threading.main_thread() else None
+        atexit.register(self.stop)
+        try:
+            for ch in children:
+                self._children.append(ch)
+                ch.proc = self._spawn(ch, env, prctl)
+        except BaseException:
+            self.stop(grace=2.0)
+            raise
+        return self.endpoints
+
+    @staticmethod
+    def _spawn(ch: _Child, env: dict[str, str],
+               prctl: Callable[..., int] | None) -> subprocess.Popen:
+        cores = ch.cpus
+
+        def preexec() -> None:  # runs in the child between fork and exec: no imports, no locks
+            if prctl is not None:
+                prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
+
+        with open(ch.log_path, "ab") as log:
+            log.write(f"$ {' '.join(ch.argv)}\n".encode())
+            log.flush()
+            return subprocess.Popen(ch.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    # preexec only makes two syscalls through functions
+                                    # resolved before fork: safe with threads in the parent
+                                    preexec_fn=preexec, close_fds=True)  # noqa: PLW1509
+
+    @property
+    def endpoints(self) -> Endpoints:
+        assert self._endpoints is not None, "start() first"
+        gw = self._children[0] if self._children else None
+        workers = tuple(
+            WorkerEndpoint(ch.name, ch.tier, f"{self.config.host}:{ch.grpc_port}",
+                           ch.metrics_url, ch.proc.pid if ch.proc else 0, ch.cpus)
+            for ch in self._children[1:])
+        return Endpoints(self._endpoints.http_url, self._endpoints.grpc_address,
+                         gw.proc.pid if gw and gw.proc else 0, workers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [ch.proc.pid for ch in self._children if ch.proc]
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def failed(self) -> tuple[str, int, str] | None:
+        """(name, exit code, log tail) of the first child that has exited, else None."""
+        for ch in self._children:
+            if ch.proc is not None and ch.proc.poll() is not None:
+                return ch.name, ch.proc.returncode, tail(ch.log_path)
+        return None
+
+    def _raise_if_failed(self) -> None:
+        f = self.failed()
+        if f is not None:
+            name, rc, log = f
+            raise ClusterError(f"{name} exited with code {rc}; last lines of "
+                               f"{self.log_path(name)}:\n{log}")
+
+    def wait_healthy(self, timeout: float = 300.0,
+                     progress: Callable[[HealthStatus], None] | None = None,
+                     poll_s: float = 0.5) -> Endpoints:
+        """Block until every child is healthy and the gateway sees every worker. Raises
+        ClusterError (with the failing child's log tail) on exit or timeout."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        assert self._children, "start() first"
+        t0 = time.monotonic()
+        channels = {ch.name: grpc.insecure_channel(f"{self.config.host}:{ch.grpc_port}")
+                    for ch in self._children}
+        try:
+            while True:
+                self._raise_if_failed()
+                for ch in self._children:
+                    if ch.healthy:
+                        continue
+                    stub = health_pb2_grpc.HealthStub(channels[ch.name])
+                    try:
+                        r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                        ok = r.status == health_pb2.HealthCheckResponse.SERVING
+                    except grpc.RpcError:
+                        ok = False
+                    if ok and ch.tier == "gateway":
+                        ok = self._http_ok(f"{self._endpoints.http_url}/health")
+                    ch.healthy = ok
+                all_up = all(ch.healthy for ch in self._children)
+                if all_up and self._gateway_sees_workers(channels["gateway"]):
+                    return self.endpoints
+                if progress is not None:
+                    progress(self._status(time.monotonic() - t0))
+                if time.monotonic() - t0 > timeout:
+                    waiting = [ch.name for ch in self._children if not ch.healthy]
+                    what = ", ".join(waiting) or "the gateway to list every worker"
+                    first = waiting[0] if waiting else "gateway"
+                    raise ClusterError(
+                        f"not healthy after {timeout:.0f}s, waiting for {what}; last lines of "
+                        f"{self.log_path(first)}:\n{tail(self.log_path(first))}")
+                time.sleep(poll_s)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def _status(self, elapsed: float) -> HealthStatus:
+        ready = {}
+        for t in TIERS:
+            tier = [ch for ch in self._children if ch.tier == t]
+            if tier:
+                ready[t] = (sum(ch.healthy for ch in tier), len(tier))
+        return HealthStatus(elapsed, ready)
+
+    @staticmethod
+    def _http_ok(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _gateway_sees_workers(self, channel) -> bool:
+        """True once ListModels counts every worker; True when the gateway does not
+        implement ListModels (then health is all we can know)."""
+        import grpc
+
+        try:
+            from protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+        except ImportError:
+            return True
+        try:
+            r = gateway_pb2_grpc.GatewayStub(channel).ListModels(
+                gateway_pb2.ListModelsRequest(), timeout=1.0)
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.UNIMPLEMENTED
+        c = self.config
+        return any(m.num_prefill_workers >= c.num_prefill and m.num_decode_workers >= c.num_decode
+                   for m in r.models)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every child's process group, wait up to `grace` seconds (or until
+        `kill_now` is set), then SIGKILL what is left. Safe to call more than once."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        procs = [ch.proc for ch in self._children if ch.proc is not None]
+        for p in procs:
+            _killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            while p.poll() is None and time.monotonic() < deadline and not self.kill_now.is_set():
+                time.sleep(0.05)
+        for p in procs:
+            # the group may outlive its leader (grandchildren): kill the group either way
+            _killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> Self:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

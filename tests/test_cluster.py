@@ -1,0 +1,324 @@
+"""Tests for pdserve.cluster and `pdserve up`: CPU assignment, engine-flag passthrough, the
+`up` help, process supervision against stand-in tiers (tiny gRPC health servers, so they run
+in seconds and whether or not the real services exist), and a real small cluster with the
+tiny model (skipped until gateway/, prefill_worker/ and decode_worker/ are runnable)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.cli_up import engine_argv
+from pdserve.cluster import ClusterConfig, ClusterError, LocalCluster, assign_cpus, parse_cpu_spec
+
+# ---------------------------------------------------------------------------- pure logic
+
+
+def test_cpu_spec_parsing():
+    assert parse_cpu_spec("prefill=0,decode=1") == {"prefill": [0], "decode": [1]}
+    assert parse_cpu_spec("prefill=0-2,decode=3,5") == {"prefill": [0, 1, 2], "decode": [3, 5]}
+    with pytest.raises(ValueError, match="unknown tier"):
+        parse_cpu_spec("encode=0")
+    with pytest.raises(ValueError, match="must start with"):
+        parse_cpu_spec("0,1")
+
+
+def test_assign_cpus_auto_splits_tiers():
+    a = assign_cpus("auto", 1, 1, available=[0, 1])
+    assert a == {"gateway": [None], "prefill": [(0,)], "decode": [(1,)]}
+    a = assign_cpus("auto", 1, 3, available=range(8))
+    assert a["prefill"] == [(0, 1)] and a["decode"] == [(2, 3), (4, 5), (6, 7)]
+    a = assign_cpus("auto", 2, 3, available=[0, 1])  # more workers than cores: they share
+    assert a["prefill"] == [(0,), (0,)] and a["decode"] == [(1,), (1,), (1,)]
+    a = assign_cpus("auto", 0, 2, available=[0, 1, 2, 3])
+    assert a["prefill"] == [] and a["decode"] == [(0, 1), (2, 3)]
+    assert assign_cpus("none", 1, 1, available=[0, 1])["decode"] == [None]
+
+
+def test_assign_cpus_spec():
+    a = assign_cpus("prefill=0,decode=1", 1, 2, available=[0, 1])
+    assert a == {"gateway": [None], "prefill": [(0,)], "decode": [(1,), (1,)]}
+    with pytest.raises(ValueError, match="not available"):
+        assign_cpus("prefill=0,decode=7", 1, 1, available=[0, 1])
+
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *argv])
+
+
+def test_engine_flags_pass_through_to_workers():
+    assert engine_argv(_up_args()) == []
+    a = _up_args("--kv-cache-memory", "64MiB", "--no-prefix-caching", "--block-size", "32",
+                 "--model", "x", "--prefill", "2")
+    assert engine_argv(a) == ["--kv-cache-memory", "64MiB", "--block-size", "32",
+                              "--no-prefix-caching"]
+
+
+def test_up_help_is_truthful():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    up = next(a for a in build_parser()._subparsers._group_actions[0].choices.items()
+              if a[0] == "up")[1]
+    flags = {s for act in up._actions for s in act.option_strings}
+    shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", out))
+    assert {"--prefill", "--decode", "--model", "--http-port", "--grpc-port",
+            "--disagg-threshold", "--cpus", "--log-dir", "--kv-cache-memory",
+            "--threads"} <= shown
+    assert shown <= flags, f"help mentions flags the parser does not take: {shown - flags}"
+    a = _up_args()
+    assert (a.prefill, a.decode, a.http_port, a.grpc_port, a.cpus) == (1, 1, 8000, 50051, "auto")
+    assert "default 1)" in out and "default 8000" in out and "default 50051" in out
+    assert "'auto' (default)" in out
+
+
+# ---------------------------------------------------------------------------- stand-in tiers
+
+FAKE_TIER = textwrap.dedent('''
+    """A stand-in tier: gRPC health (SERVING after FAKE_DELAY s) and, for the gateway, an
+    HTTP /health. Records its argv and CPU affinity; misbehaves on request."""
+    import argparse, http.server, json, os, signal, subprocess, sys, threading, time
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    def main(tier):
+        p = argparse.ArgumentParser()
+        for f in ("--model", "--host", "--gateway", "--worker-id", "--metrics-port",
+                  "--threads", "--kv-cache-memory", "--disagg-threshold"):
+            p.add_argument(f)
+        for f in ("--port", "--grpc-port", "--http-port"):
+            p.add_argument(f, type=int)
+        a = p.parse_args()
+        name = a.worker_id or tier
+        out = os.environ["FAKE_OUT"]
+        with open(os.path.join(out, name + ".json"), "w") as f:
+            json.dump({"argv": sys.argv[1:], "cpus": sorted(os.sched_getaffinity(0))}, f)
+        if os.environ.get("FAKE_CRASH") == name:
+            print("boom: cannot load the model", flush=True)
+            sys.exit(3)
+        if os.environ.get("FAKE_IGNORE_TERM") == name:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.environ.get("FAKE_GRANDCHILD") == name:
+            g = subprocess.Popen(["sleep", "300"])
+            with open(os.path.join(out, name + ".grandchild"), "w") as f:
+                f.write(str(g.pid))
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        hs = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        server.add_insecure_port(f"{a.host}:{a.port or a.grpc_port}")
+        server.start()
+        hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        if a.http_port:
+            class H(http.server.BaseHTTPRequestHandler):
+                def do_GET(self):
+                    self.send_response(200 if self.path == "/health" else 404)
+                    self.end_headers()
+                def log_message(self, *args):
+                    pass
+            httpd = http.server.ThreadingHTTPServer((a.host, a.http_port), H)
+            threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        time.sleep(float(os.environ.get("FAKE_DELAY", "0.5")))
+        hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        print(name, "serving", flush=True)
+        while True:
+            time.sleep(1)
+''')
+
+
+@pytest.fixture
+def fakes(tmp_path: Path) -> Path:
+    """Stand-in tiers as `fake_<tier>` modules and as packages named like the real ones
+    (the latter win when a child runs with this directory as its working directory)."""
+    (tmp_path / "_fake_tier.py").write_text(FAKE_TIER)
+    real = {"gateway": "gateway", "prefill": "prefill_worker", "decode": "decode_worker"}
+    for tier, pkg in real.items():
+        (tmp_path / f"fake_{tier}.py").write_text(
+            f"from _fake_tier import main\nmain({tier!r})\n")
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        (tmp_path / pkg / "__main__.py").write_text(
+            f"from _fake_tier import main\nmain({tier!r})\n")
+    (tmp_path / "out").mkdir()
+    return tmp_path
+
+
+def _fake_cluster(fakes: Path, **kw) -> LocalCluster:
+    env = {"PYTHONPATH": str(fakes), "FAKE_OUT": str(fakes / "out"), **kw.pop("env", {})}
+    mods = tuple((t, f"fake_{t}") for t in ("gateway", "prefill", "decode"))
+    return LocalCluster(ClusterConfig(http_port=0, grpc_port=0, modules=mods,
+                                      env=tuple(env.items()), log_dir=str(fakes / "logs"), **kw))
+
+
+def _gone(pid: int) -> bool:
+    """No live process (zombies are dead) has this pid or belongs to its process group."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if fields[0] != "Z" and (int(entry.name) == pid or int(fields[2]) == pid):
+            return False
+    return True
+
+
+def _recorded(fakes: Path, name: str) -> dict:
+    return json.loads((fakes / "out" / f"{name}.json").read_text())
+
+
+def test_local_cluster_starts_waits_and_stops(fakes):
+    cluster = _fake_cluster(fakes, num_prefill=1, num_decode=2, cpus="auto",
+                            engine_args=("--kv-cache-memory", "64MiB"),
+                            env={"FAKE_GRANDCHILD": "decode-1"})
+    seen = []
+    try:
+        cluster.start()
+        e = cluster.wait_healthy(timeout=60, progress=seen.append, poll_s=0.1)
+        assert [w.name for w in e.workers] == ["prefill-0", "decode-0", "decode-1"]
+        gw_port = max(int(e.http_url.rsplit(":", 1)[1]), int(e.grpc_address.rsplit(":", 1)[1]))
+        ports = [int(w.address.rsplit(":", 1)[1]) for w in e.workers] + [
+            int(w.metrics_url.split(":")[2].split("/")[0]) for w in e.workers]
+        assert len(set(ports)) == len(ports) and min(ports) > gw_port
+        with urllib.request.urlopen(f"{e.http_url}/health", timeout=5) as r:
+            assert r.status == 200
+        assert seen and seen[0].loading  # progress was reported while tiers were loading
+        pf, d0 = _recorded(fakes, "prefill-0"), _recorded(fakes, "decode-0")
+        avail = sorted(os.sched_getaffinity(0))
+        assert pf["cpus"] == list(next(w.cpus for w in e.workers if w.name == "prefill-0"))
+        if len(avail) >= 2:
+            assert set(pf["cpus"]).isdisjoint(d0["cpus"])
+        assert pf["argv"][pf["argv"].index("--threads") + 1] == str(len(pf["cpus"]))
+        assert pf["argv"][pf["argv"].index("--kv-cache-memory") + 1] == "64MiB"
+        assert pf["argv"][pf["argv"].index("--gateway") + 1] == e.grpc_address
+        assert _recorded(fakes, "gateway")["cpus"] == avail  # the gateway is not pinned
+        grandchild = int((fakes / "out" / "decode-1.grandchild").read_text())
+        pids = cluster.pids
+    finally:
+        cluster.stop(grace=5)
+    assert len(pids) == 4 and all(_gone(p) for p in pids)
+    assert _gone(grandchild), "a worker's own child outlived stop()"
+    cluster.stop()  # idempotent
+
+
+def test_child_exit_fails_fast_with_its_log(fakes):
+    cluster = _fake_cluster(fakes, env={"FAKE_CRASH": "decode-0", "FAKE_DELAY": "30"})
+    t0 = time.monotonic()
+    try:
+        cluster.start()
+        with pytest.raises(ClusterError, match=r"decode-0 exited with code 3(.|\n)*boom"):
+            cluster.wait_healthy(timeout=60, poll_s=0.1)
+        assert time.monotonic() - t0 < 20
+    finally:
+        cluster.stop(grace=5)
+    assert all(_gone(p) for p in cluster.pids)
+
+
+def test_stop_kills_a_child_that_ignores_sigterm(fakes):
+    cluster = _fake_cluster(fakes, env={"FAKE_IGNORE_TERM": "prefill-0"})
+    cluster.start()
+    try:
+        cluster.wait_healthy(timeout=60, poll_s=0.1)
+    finally:
+        t0 = time.monotonic()
+        cluster.stop(grace=1.0)
+    assert time.monotonic() - t0 < 10
+    assert all(_gone(p) for p in cluster.pids)
+
+
+def test_wait_healthy_times_out_naming_the_slow_tier(fakes):
+    cluster = _fake_cluster(fakes, env={"FAKE_DELAY": "60"})
+    cluster.start()
+    try:
+        with pytest.raises(ClusterError, match="not healthy after 2s, waiting for gateway"):
+            cluster.wait_healthy(timeout=2, poll_s=0.1)
+    finally:
+        cluster.stop(grace=2)
+
+
+def _run_up(cwd: Path, env: dict[str, str], *argv: str) -> tuple[subprocess.Popen, str]:
+    """Start `pdserve up ...`, return it and its stdout up to the ready banner."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", *argv], cwd=cwd,
+                            env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            break
+    return proc, "".join(lines)
+
+
+def _pids_in(banner: str) -> list[int]:
+    return [int(p) for p in re.findall(r"pid (\d+)", banner)]
+
+
+def test_pdserve_up_sigterm_stops_everything_and_exits_0(fakes):
+    env = {"PYTHONPATH": str(fakes), "FAKE_OUT": str(fakes / "out")}
+    proc, banner = _run_up(fakes, env, "--http-port", "0", "--grpc-port", "0",
+                           "--prefill", "1", "--decode", "2", "--log-dir", str(fakes / "logs"))
+    try:
+        assert "curl -s http://127.0.0.1:" in banner and "/v1/chat/completions" in banner, (
+            banner + proc.stderr.read() if proc.poll() is not None else banner)
+        for name in ("prefill-0", "decode-0", "decode-1"):
+            assert name in banner
+        pids = _pids_in(banner)
+        assert len(pids) == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all(_gone(p) for p in pids)
+    assert "stopped" in proc.stderr.read()
+
+
+# ---------------------------------------------------------------------------- the real cluster
+
+
+def _real_tiers_missing() -> str | None:
+    for mod in ("gateway", "prefill_worker", "decode_worker"):
+        try:
+            spec = importlib.util.find_spec(f"{mod}.__main__")
+        except ImportError:
+            spec = None
+        if spec is None:
+            return f"{mod} is not runnable yet (no {mod}/__main__.py)"
+    return None
+
+
+@pytest.mark.skipif(_real_tiers_missing() is not None, reason=str(_real_tiers_missing()))
+def test_real_cluster_serves_a_chat_completion(tiny_model_dir):
+    cluster = LocalCluster(model=tiny_model_dir, http_port=0, grpc_port=0, cpus="none",
+                           engine_args=("--kv-cache-memory", "64MiB"))
+    try:
+        cluster.start()
+        e = cluster.wait_healthy(timeout=300)
+        body = json.dumps({"model": tiny_model_dir, "max_tokens": 8, "temperature": 0,
+                           "messages": [{"role": "user", "content": "Hello!"}]}).encode()
+        req = urllib.request.Request(f"{e.http_url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["choices"][0]["message"]["role"] == "assistant"
+        assert out["usage"]["completion_tokens"] >= 1
+        pids = cluster.pids
+    finally:
+        cluster.stop()
+    assert len(pids) == 3 and all(_gone(p) for p in pids)

