@@ -65,8 +65,10 @@ class StepTrace:
     scheduled: tuple[tuple[str, int], ...]
     preempted: tuple[str, ...]
     finished: tuple[str, ...]
-    forward_seconds: float
-    total_seconds: float
+    forward_seconds: float  # the model forward alone
+    total_seconds: float  # schedule + prepare + forward + sample + bookkeeping
+    used_slots: int  # cache slots holding computed tokens of running sequences
+    allocated_slots: int  # slots of the blocks those sequences hold
 
 
 @dataclass
@@ -202,10 +204,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        tf = time.perf_counter()
         results = self.runner.run(sched.scheduled, self.kv_layer_hook)
-        forward_s = time.perf_counter() - tf
+        forward_s = self.runner.last_timing.forward_s
         self.scheduler.after_step(sched.scheduled)
+        if self.trace is not None:  # before finished sequences give their blocks back
+            used = sum(s.seq.num_computed_tokens for s in sched.scheduled)
+            allocated = sum(len(s.seq.block_table) for s in sched.scheduled) * self.pool.block_size
         deltas = [self._append_token(s.seq, tok, lp) for s, tok, lp in results]
         total = time.perf_counter() - t0
         c = self.counters
@@ -216,7 +220,8 @@ class LLMEngine:
             self.trace.append(StepTrace(
                 c.steps, tuple((s.seq.request_id, s.num_new_tokens) for s in sched.scheduled),
                 tuple(s.request_id for s in sched.preempted),
-                tuple(d.request_id for d in deltas if d.finished), forward_s, total))
+                tuple(d.request_id for d in deltas if d.finished), forward_s, total, used,
+                allocated))
         return deltas
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SeqDelta:

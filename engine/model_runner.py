@@ -6,6 +6,7 @@ about queues or requests beyond the batch it is handed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,13 @@ from engine.sequence import TokenLogprobs
 
 # Called after every layer with (layer index, the sequences whose prompt completes this step).
 KVLayerHook = Callable[[int, list[ScheduledSeq]], None]
+
+
+@dataclass(frozen=True)
+class RunTiming:
+    prepare_s: float
+    forward_s: float  # the model forward alone (what the rest is overhead against)
+    sample_s: float
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.block_size = kv_cache.spec.block_size
         self.device = model.device
+        self.last_timing = RunTiming(0.0, 0.0, 0.0)
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
         bs = self.block_size
@@ -97,7 +106,9 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq], layer_hook: KVLayerHook | None = None
             ) -> list[tuple[ScheduledSeq, int, TokenLogprobs | None]]:
         """Forward the batch; sample a token for every sequence that reached its end."""
+        t0 = time.perf_counter()
         batch = self.prepare(scheduled)
+        t1 = time.perf_counter()
         hook = None
         if layer_hook is not None and batch.sampling:
             sampling = batch.sampling
@@ -107,9 +118,12 @@ class ModelRunner:
 
         logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
                                     self.backend, batch.logits_indices, hook)
-        if not batch.sampling:
-            return []
-        rows = [SampleRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids,
-                          self.eos_token_ids) for s in batch.sampling]
-        results = sample(logits.cpu(), rows)
-        return [(s, tok, lp) for s, (tok, lp) in zip(batch.sampling, results)]
+        t2 = time.perf_counter()
+        out = []
+        if batch.sampling:
+            rows = [SampleRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids,
+                              self.eos_token_ids) for s in batch.sampling]
+            results = sample(logits.cpu(), rows)
+            out = [(s, tok, lp) for s, (tok, lp) in zip(batch.sampling, results)]
+        self.last_timing = RunTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return out

@@ -35,12 +35,11 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
           mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    # q [B, Hq, L, D], k/v [B, Hkv, S, D]; GQA by repeating KV heads.
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    # q [B, Hq, L, D], k/v [B, Hkv, S, D]; query head h reads KV head h // (Hq // Hkv).
+    # enable_gqa shares each KV head across its group without materialising copies
+    # (repeat_interleave of K/V made CPU decode ~10x slower).
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def prefill_attention_reference(

@@ -43,16 +43,36 @@ from engine.kernels import (
     paged_row_offsets,
 )
 
+# Defaults for 16-bit caches, whose dots run on tensor cores.
 DEFAULT_BLOCK_M = 128  # query rows per program: (positions x heads of one KV group)
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_STAGES = 3
+# fp32 caches take the "ieee" dot, which Triton lowers to FMAs with whole operand rows in
+# each thread's registers: at the 16-bit tiles ptxas spills tens of KB per thread on sm_90
+# (and head_dim 128 came within 3 KiB of the 227 KiB shared memory limit). These tiles
+# compile without spills at head_dim 64 and 128 (scripts/compile_check.py).
+FP32_BLOCK_M = 32
+FP32_BLOCK_N = 16
+FP32_NUM_WARPS = 8
+FP32_NUM_STAGES = 2
 _MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite, see paged_decode_attention
 
 
-def default_num_warps(block_m: int, head_dim: int) -> int:
-    """Warps so that the fp32 accumulator stays ~64 registers per thread (4..8 warps)."""
+def default_num_warps(block_m: int, head_dim: int, dtype: torch.dtype | None = None) -> int:
+    """Warps so that the fp32 accumulator stays ~64 registers per thread (4..8 warps);
+    FP32_NUM_WARPS for fp32 caches (FMA dots: more threads, fewer operand registers each)."""
+    if dtype == torch.float32:
+        return FP32_NUM_WARPS
     return max(4, min(8, block_m * triton.next_power_of_2(head_dim) // 2048))
+
+
+def default_config(dtype: torch.dtype) -> dict[str, int]:
+    """block_m, block_n, num_stages the launcher uses for a cache dtype when not given."""
+    if dtype == torch.float32:
+        return {"block_m": FP32_BLOCK_M, "block_n": FP32_BLOCK_N, "num_stages": FP32_NUM_STAGES}
+    return {"block_m": DEFAULT_BLOCK_M, "block_n": DEFAULT_BLOCK_N,
+            "num_stages": DEFAULT_NUM_STAGES}
 
 
 @triton.jit
@@ -204,10 +224,10 @@ def prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
-    block_m: int = DEFAULT_BLOCK_M,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = DEFAULT_NUM_STAGES,
+    num_stages: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of query [Tq, Hq, D] chunks over their cached prefix and themselves.
@@ -216,7 +236,8 @@ def prefill_attention(
     context length after the chunk; block_tables [P, max_blocks]. `max_query_len` (a host
     int) sizes the grid without a sync. `validate=False` skips the device-value checks.
     `block_m` counts query-tile rows, i.e. positions x the GROUP query heads of a KV head
-    (raised to GROUP's next power of two if smaller); `num_warps=None` picks by tile size.
+    (raised to GROUP's next power of two if smaller). None takes `default_config` for the
+    cache dtype (smaller tiles for fp32) and `default_num_warps`.
     """
     num_blocks, block_size, kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     if query.dim() != 3 or query.shape[2] != head_dim:
@@ -248,6 +269,10 @@ def prefill_attention(
                          f"{tuple(out.shape)}")
     check_last_dim_contiguous(query=query, out=out)
     check_device(query, k_cache, v_cache, cu_seqlens, seq_lens, block_tables, out)
+    defaults = default_config(k_cache.dtype)
+    block_m = defaults["block_m"] if block_m is None else block_m
+    block_n = defaults["block_n"] if block_n is None else block_n
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {b}")
@@ -267,7 +292,7 @@ def prefill_attention(
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     if num_warps is None:
-        num_warps = default_num_warps(block_m, head_dim)
+        num_warps = default_num_warps(block_m, head_dim, k_cache.dtype)
     grid = (num_seqs, kv_heads, triton.cdiv(max_query_len, block_q))
     if grid[2] > _MAX_GRID_Z:
         raise ValueError(f"max_query_len {max_query_len} needs {grid[2]} query blocks of "
