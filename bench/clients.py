@@ -101,7 +101,7 @@ class BenchClient(ABC):
         """Send `req` and fill `rec` in place: `status`, `add_token_event` per token-bearing
         message, usage counts, and `error` for a failure reported by the server."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release connections."""
 
     async def __aenter__(self) -> Self:

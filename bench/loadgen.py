@@ -206,7 +206,12 @@ def summary_line(result: RunResult) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `pdserve bench` with `argv` (default: sys.argv[1:]); returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    return run(parser.parse_args(argv), parser)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run with `args` parsed by `parser` (this module's flags; `parser.error` reports bad
+    combinations); returns the exit status. `pdserve bench` calls this."""
     if args.num_requests < 1:
         parser.error("--num-requests must be at least 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:

@@ -84,6 +84,41 @@ def plot_rate_sweep(runs: Sequence[Run], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def plot_goodput(runs: Sequence[Run], path: str | Path) -> Path:
+    """Goodput (requests/s meeting both SLOs) vs offered rate, one line per label, with the
+    offered rate itself dashed for reference."""
+    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for run in runs:
+        if run.get("rate") is not None:
+            series[run.get("label") or "run"].append((run["rate"], run["report"]["goodput"]))
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    rates = sorted({p[0] for points in series.values() for p in points})
+    if rates:
+        ax.plot(rates, rates, linestyle="--", color="grey", label="offered")
+    for label, points in series.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.set_title("Goodput vs request rate")
+    ax.set_xlabel("offered request rate (req/s)")
+    ax.set_ylabel("goodput (req/s meeting SLOs)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_bars(values: Mapping[str, float], path: str | Path, *, title: str,
+              ylabel: str) -> Path:
+    """One bar per name (e.g. output tokens/s of each offline configuration)."""
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    names = list(values)
+    bars = ax.bar(names, [values[n] for n in names])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
 def write_plots(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
     """Both figures into `out_dir` (created); the sweep figure only if a run has a rate."""
     out = Path(out_dir)

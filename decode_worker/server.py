@@ -11,16 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from decode_worker.reservations import ReservationTable
+from decode_worker.service import DecodeService
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kvtransfer.receiver import KVTransferService
 from pdserve.convert import kv_spec_to_proto
 from pdserve.metrics import TierMetrics
-from pdserve.worker_runtime import (GatewayRegistration, GrpcService, MetricsServer,
-                                    WorkerConfig, new_worker_id)
+from pdserve.worker_runtime import (
+    GatewayRegistration,
+    GrpcService,
+    MetricsServer,
+    WorkerConfig,
+    new_worker_id,
+)
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2
-from decode_worker.reservations import ReservationTable
-from decode_worker.service import DecodeService
 
 log = logging.getLogger("pdserve.decode")
 

@@ -138,11 +138,11 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
             qkv = F.linear(h, layer.qkv)
-            q = qkv[:, :q_size].view(t, d.num_heads, d.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(t, d.num_kv_heads, d.head_dim)
+            # RoPE on Q and K heads together: one pass instead of two
+            qk = qkv[:, :q_size + kv_size].view(t, d.num_heads + d.num_kv_heads, d.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :d.num_heads], qk[:, d.num_heads:]
             v = qkv[:, q_size + kv_size:].view(t, d.num_kv_heads, d.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = kv_cache.key(i), kv_cache.value(i)
             backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k_cache, v_cache, meta, scale)  # [T, Hq, D]

@@ -21,11 +21,16 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec, PagedKVCache, dtype_from_name
 from engine.llama import LlamaDims, LlamaModel
-from engine.model_loader import (ModelSource, eos_token_ids, load_hf_weights, load_tokenizer,
-                                 resolve_model)
+from engine.model_loader import (
+    ModelSource,
+    eos_token_ids,
+    load_hf_weights,
+    load_tokenizer,
+    resolve_model,
+)
 from engine.model_runner import KVLayerHook, ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 
 log = logging.getLogger("pdserve.engine")

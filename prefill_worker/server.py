@@ -16,8 +16,13 @@ from engine.llm_engine import LLMEngine
 from kvtransfer.grpc_sender import GrpcKVTransport
 from pdserve.convert import kv_spec_to_proto
 from pdserve.metrics import TierMetrics
-from pdserve.worker_runtime import (GatewayRegistration, GrpcService, MetricsServer,
-                                    WorkerConfig, new_worker_id)
+from pdserve.worker_runtime import (
+    GatewayRegistration,
+    GrpcService,
+    MetricsServer,
+    WorkerConfig,
+    new_worker_id,
+)
 from prefill_worker.kv_pusher import KVPusher
 from prefill_worker.service import PrefillService
 from protos.pdserve.v1 import common_pb2, gateway_pb2, prefill_pb2, prefill_pb2_grpc

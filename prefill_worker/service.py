@@ -22,7 +22,12 @@ import grpc
 from engine.async_engine import AsyncEngine, RequestError
 from kvtransfer.sink import KVCommitInfo
 from kvtransfer.transport import KVTransferError, KVTransport
-from pdserve.convert import kv_spec_from_proto, layouts_match, logprobs_to_proto, sampling_from_proto
+from pdserve.convert import (
+    kv_spec_from_proto,
+    layouts_match,
+    logprobs_to_proto,
+    sampling_from_proto,
+)
 from pdserve.metrics import TierMetrics
 from prefill_worker.kv_pusher import KVPusher
 from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc

@@ -74,3 +74,15 @@ def test_hash_is_chained_and_stable():
     assert block_hashes([1, 2, 3, 4, 5], 2) == [h1, hash_block(h1, [3, 4])]
     assert h1 == hash_block(None, (1, 2))  # same value for lists and tuples, every process
     assert 0 <= h1 < 2**63
+
+
+def test_length_buckets_bound_padding():
+    from engine.attention.torch_backend import length_buckets
+
+    lens = [700, 33, 64, 65, 130, 31, 512, 300]
+    groups = length_buckets(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        assert max(lens[i] for i in g) <= 2 * min(lens[i] for i in g)
+    assert [[lens[i] for i in g] for g in groups] == [[31, 33], [64, 65], [130], [300, 512],
+                                                       [700]]

@@ -12,8 +12,15 @@ from conftest import tiny_engine
 from engine.sampling_params import SamplingParams
 from pdserve.convert import sampling_to_proto
 from pdserve.worker_runtime import WorkerConfig
-from protos.pdserve.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, kvtransfer_pb2,
-                               kvtransfer_pb2_grpc, prefill_pb2, prefill_pb2_grpc)
+from protos.pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kvtransfer_pb2,
+    kvtransfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

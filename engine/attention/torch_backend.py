@@ -95,6 +95,37 @@ def decode_attention_reference(
     return o[:, :, 0].to(query.dtype)
 
 
+def length_buckets(seq_lens: list[int], ratio: float = 2.0) -> list[list[int]]:
+    """Sequence indices grouped by similar length (ascending), so that padding every
+    sequence of a group to the group's longest wastes at most `ratio`x."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and seq_lens[i] <= ratio * seq_lens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def decode_attention_bucketed(query, k_cache, v_cache, seq_lens: torch.Tensor,
+                              seq_lens_cpu: list[int], block_tables: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """`decode_attention_reference` run per group of similar context lengths: the padded
+    gather of a mixed batch otherwise reads up to (longest / shortest) times the bytes."""
+    groups = length_buckets(seq_lens_cpu)
+    if len(groups) == 1:
+        return decode_attention_reference(query, k_cache, v_cache, seq_lens, block_tables,
+                                          scale, max(seq_lens_cpu))
+    out = torch.empty_like(query)
+    for g in groups:
+        idx = torch.tensor(g, device=query.device)
+        out[idx] = decode_attention_reference(
+            query[idx], k_cache, v_cache, seq_lens[idx], block_tables[idx], scale,
+            max(seq_lens_cpu[i] for i in g))
+    return out
+
+
 @register_backend
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
@@ -105,15 +136,16 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         nd = meta.num_decodes
         if nd == meta.num_seqs:
-            return decode_attention_reference(
-                query, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                max(meta.seq_lens_cpu))
+            return decode_attention_bucketed(query, k_cache, v_cache, meta.seq_lens,
+                                             meta.seq_lens_cpu, meta.block_tables, scale)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = decode_attention_reference(
-                query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd], scale,
-                max(meta.seq_lens_cpu[:nd]))
-        qsl = [x - nd for x in meta.query_start_loc.tolist()[nd:]]
+            out[:nd] = decode_attention_bucketed(
+                query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.seq_lens_cpu[:nd],
+                meta.block_tables[:nd], scale)
+        qsl = [0]
+        for n in meta.query_lens_cpu[nd:]:
+            qsl.append(qsl[-1] + n)
         out[nd:] = prefill_attention_reference(
             query[nd:], k_cache, v_cache, qsl, meta.seq_lens_cpu[nd:], meta.block_tables[nd:],
             scale)
