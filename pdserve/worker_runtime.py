@@ -67,10 +67,34 @@ def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
                         heartbeat_interval_s=a.heartbeat_interval, **extra)
 
 
-class GrpcService:
-    """A grpc.aio server with health (NOT_SERVING until `set_serving`) and reflection."""
+class _LateServices(grpc.GenericRpcHandler):
+    """Servicers added after the server started (the model loads while health already
+    answers). Installed before start as one generic handler; calls to a service that is
+    not there yet get UNIMPLEMENTED."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self) -> None:
+        self._handlers: list[grpc.GenericRpcHandler] = []
+
+    def service(self, handler_call_details):
+        for h in self._handlers:
+            handler = h.service(handler_call_details)
+            if handler is not None:
+                return handler
+        return None
+
+    # what the generated add_*Servicer_to_server functions call on a "server"
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self._handlers.extend(handlers)
+
+    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
+        pass  # the generic handler above already routes these methods
+
+
+class GrpcService:
+    """A grpc.aio server with health (NOT_SERVING until `set_serving`) and reflection.
+    Tier servicers go on `services`, which works before and after `start()`."""
+
+    def __init__(self, host: str, port: int, service_names: tuple[str, ...] = ()) -> None:
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -79,14 +103,15 @@ class GrpcService:
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
             health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.services = _LateServices()
+        self.server.add_generic_rpc_handlers((self.services,))
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
-        self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        # reflection copies the list when enabled: every name must be known up front
+        self._service_names = [*service_names,
+                               health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                reflection.SERVICE_NAME]
-
-    def add_service_name(self, name: str) -> None:
-        self._service_names.append(name)
 
     async def start(self) -> None:
         reflection.enable_server_reflection(self._service_names, self.server)
@@ -208,3 +233,99 @@ async def run_until_signal(start: Callable[[], Awaitable[None]],
     await done.wait()
     log.info("signal received: stopping")
     await stop()
+
+
+class WorkerBase:
+    """The life cycle both worker tiers share; a tier adds its servicers and its load.
+
+        start(): bind gRPC (health NOT_SERVING) -> load model -> engine thread
+                 -> tier servicers -> /metrics -> SERVING -> register + heartbeat
+        stop():  NOT_SERVING -> deregister -> grpc stop(grace) -> engine thread stops
+    """
+
+    role = ""  # "prefill" | "decode"
+    role_proto = 0  # gateway_pb2.WorkerRole value
+    service_names: tuple[str, ...] = ()  # full names of the tier's gRPC services
+
+    def __init__(self, config: WorkerConfig, engine=None) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or new_worker_id(self.role)
+        self._engine = engine  # tests may hand in an already-loaded engine
+        self.grpc: GrpcService | None = None
+        self.address = ""
+        self.metrics_server: MetricsServer | None = None
+        self.registration: GatewayRegistration | None = None
+        self.aengine = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.port if self.metrics_server else None
+
+    async def start(self) -> None:
+        from engine.async_engine import AsyncEngine
+        from engine.llm_engine import LLMEngine
+
+        cfg = self.config
+        self.grpc = GrpcService(cfg.host, cfg.port, self.service_names)
+        await self.grpc.start()  # health answers NOT_SERVING while the model loads
+        self.address = cfg.advertise_address or f"{cfg.host}:{self.grpc.port}"
+        self.engine = self._engine or await asyncio.to_thread(LLMEngine, cfg.engine)
+        self.model_name = cfg.engine.model
+        self.metrics = TierMetrics(self.model_name, self.role, self.worker_id)
+        self.aengine = AsyncEngine(self.engine)
+        self.aengine.start()
+        self.add_services(self.grpc.services)
+        if cfg.metrics_port is not None:
+            self.metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
+            await self.metrics_server.start(cfg.host, cfg.metrics_port)
+        await self.grpc.set_serving(True)
+        if cfg.gateway:
+            self.registration = GatewayRegistration(cfg.gateway, self.worker_info, self.load,
+                                                    cfg.heartbeat_interval_s)
+            self.registration.start()
+        log.info("%s worker %s serving on %s", self.role, self.worker_id, self.address)
+
+    def add_services(self, server) -> None:
+        """Add the tier's servicers to `server`, as the generated add_*_to_server
+        functions do."""
+        raise NotImplementedError
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self.grpc is not None:
+            await self.grpc.set_serving(False)
+        if self.registration is not None:
+            await self.registration.stop()
+        if self.grpc is not None:
+            await self.grpc.stop(grace)
+        await self.stop_tier()
+        if self.aengine is not None:
+            await self.aengine.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+
+    async def stop_tier(self) -> None:
+        """Tier-specific teardown, after the server stopped and before the engine does."""
+
+    def refresh_metrics(self) -> None:
+        self.metrics.observe_engine(self.aengine.stats())
+
+    def load(self) -> common_pb2.WorkerLoad:
+        s = self.aengine.stats()
+        return common_pb2.WorkerLoad(
+            num_running=s.running, num_waiting=s.waiting, free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks, tokens_per_s=s.tokens_per_s, queue_depth=s.waiting)
+
+    def worker_info(self) -> gateway_pb2.WorkerInfo:
+        from pdserve.convert import kv_spec_to_proto
+
+        return gateway_pb2.WorkerInfo(
+            worker_id=self.worker_id, role=self.role_proto, address=self.address,
+            model=self.model_name, kv_spec=kv_spec_to_proto(self.engine.kv_spec),
+            load=self.load())
+
+    async def stats(self) -> common_pb2.StatsResponse:
+        from pdserve.convert import kv_spec_to_proto
+
+        return common_pb2.StatsResponse(worker_id=self.worker_id, model=self.model_name,
+                                        load=self.load(),
+                                        kv_spec=kv_spec_to_proto(self.engine.kv_spec))

@@ -201,3 +201,29 @@ def test_cancelled_stream_frees_blocks(tiny_model_dir):
             await dec.stop(0)
 
     asyncio.run(main())
+
+
+def test_worker_health_and_reflection(tiny_model_dir):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def main():
+        dec = await _start("decode", tiny_model_dir)
+        try:
+            async with grpc.aio.insecure_channel(dec.address) as ch:
+                h = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                assert h.status == health_pb2.HealthCheckResponse.SERVING
+                stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+
+                async def ask():
+                    yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+                async for resp in stub.ServerReflectionInfo(ask()):
+                    names = {s.name for s in resp.list_services_response.service}
+                    break
+            assert {"pdserve.v1.DecodeWorker", "pdserve.v1.KVTransfer",
+                    "grpc.health.v1.Health"} <= names
+        finally:
+            await dec.stop(0)
+
+    asyncio.run(main())
