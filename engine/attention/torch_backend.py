@@ -82,17 +82,20 @@ def decode_attention_reference(
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its whole cached context (padded batch + mask)."""
-    b = query.shape[0]
-    bs = k_cache.shape[1]
+    b, hq, d = query.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     nblocks = (max_len + bs - 1) // bs
-    table = block_tables[:b, :nblocks].long()
-    k = k_cache[table].reshape(b, nblocks * bs, *k_cache.shape[2:]).transpose(1, 2)
-    v = v_cache[table].reshape(b, nblocks * bs, *v_cache.shape[2:]).transpose(1, 2)
+    idx = block_tables[:b, :nblocks].reshape(-1).long()
+    # index_select on whole blocks is the cheapest gather; then [B, Hkv, S, D] views
+    k = k_cache.index_select(0, idx).view(b, nblocks * bs, hkv, d).transpose(1, 2)
+    v = v_cache.index_select(0, idx).view(b, nblocks * bs, hkv, d).transpose(1, 2)
     mask = torch.arange(nblocks * bs, device=query.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-    q = query.unsqueeze(2).to(k.dtype)  # [B, Hq, 1, D]
-    o = _sdpa(q, k, v, scale, mask=mask[:, None, None, :])
-    return o[:, :, 0].to(query.dtype)
+    # a decode's G query heads of one KV head share its keys and mask: fold them into the
+    # query-length axis instead of repeating K/V G times
+    q = query.view(b, hkv, hq // hkv, d).to(k.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(b, hq, d).to(query.dtype)
 
 
 def length_buckets(seq_lens: list[int], ratio: float = 2.0) -> list[list[int]]:
