@@ -542,6 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=float, nargs="+", metavar="RATE",
                    help="disagg rate sweep in req/s (default "
                         f"{' '.join(map(str, d.disagg_rates))})")
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help=f"requests per disagg run (default {d.disagg_requests}) and prefix run "
+                        f"(default {d.prefix_requests})")
     p.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                    help=f"KV cache per worker (default {d.kv_cache_memory})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -561,6 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("bench.compare: --rates must be finite and > 0", file=sys.stderr)
             return 2
         s = dataclasses.replace(s, disagg_rates=tuple(a.rates))
+    if a.requests:
+        s = dataclasses.replace(s, disagg_requests=a.requests, prefix_requests=a.requests)
     out_dir = a.out_dir or Path("docs/bench/quick" if a.quick else "docs/bench")
     run(s, a.only, out_dir)
     return 0
