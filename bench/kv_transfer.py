@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import time
 import grpc
 import torch
 
+from bench.report_io import emit_report
 from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
 from kvtransfer.grpc_sender import GrpcKVTransport
@@ -126,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         eps = cluster.endpoints
         report = {"command": "python -m bench.kv_transfer " + " ".join(argv or sys.argv[1:]),
                   "results": asyncio.run(run(eps, lengths, a.repeats, a.max_chunk_bytes))}
-    print(json.dumps(report, indent=2))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+    emit_report(report, a.out)
     return 0
 
 

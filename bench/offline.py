@@ -14,11 +14,12 @@ spent outside the model forward, overall and over steps running >= 32 sequences.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
+
+from bench.report_io import emit_report
 
 
 def _workload(tokenizer, n: int, seed: int):
@@ -118,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         report["transformers_static"] = run_transformers(a.model, a.dtype, prompts, outputs)
         report["speedup"] = round(report["engine"]["output_tokens_per_s"]
                                   / report["transformers_static"]["output_tokens_per_s"], 2)
-    print(json.dumps(report, indent=2))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+    emit_report(report, a.out)
     return 0
 
 
