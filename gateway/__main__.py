@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 always disaggregates (default 0). Without prefill workers every "
                         "request runs colocated")
     p.add_argument("--max-queue", type=int, default=_D.max_queue, metavar="N",
-                   help="requests waiting for admission, all priorities together; more are "
+                   help="requests waiting for admission at each priority; more are "
                         f"refused with 429 / RESOURCE_EXHAUSTED (default {_D.max_queue})")
     p.add_argument("--max-inflight", type=int, default=_D.max_inflight, metavar="N",
                    help=f"requests in flight to the workers at once (default {_D.max_inflight})")

@@ -39,17 +39,21 @@ def test_admission_priority_order_and_queue_bound():
             order.append(name)
 
         tasks = [asyncio.create_task(wait(n, p)) for n, p in
-                 (("low1", 5), ("high", 0), ("low2", 5))]
+                 (("low1", 5), ("high", 0), ("low2", 5), ("low3", 5))]
         await asyncio.sleep(0)
-        assert a.stats().queued == 3
+        assert a.stats().queued == 4
+        # priority 5's queue is full (3); priority 0's still has room: bounded per priority
         with pytest.raises(Overloaded) as e:
-            await a.acquire(0)
+            await a.acquire(5)
         assert e.value.retry_after_s >= 1
-        for _ in range(3):
+        tasks.append(asyncio.create_task(wait("high2", 0)))
+        await asyncio.sleep(0)
+        assert a.stats().queued == 5
+        for _ in range(5):
             a.release()
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
-        assert order == ["high", "low1", "low2"]
+        assert order == ["high", "high2", "low1", "low2", "low3"]
         a.release()
         assert a.stats().inflight == 0 and a.stats().queued == 0
     asyncio.run(main())
