@@ -29,7 +29,8 @@ def _workload(tokenizer, n: int, seed: int):
     return [tokenizer.encode(r.prompt) for r in reqs], [r.output_tokens for r in reqs]
 
 
-def run_engine(model: str, dtype: str, prompts, outputs, threads: int | None) -> dict:
+def run_engine(model: str, dtype: str, prompts, outputs, threads: int | None,
+               profile: bool = False) -> dict:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
@@ -39,9 +40,20 @@ def run_engine(model: str, dtype: str, prompts, outputs, threads: int | None) ->
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs]
     eng.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     eng.trace = []
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
     wall = time.perf_counter() - t0
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
     tokens = sum(len(o.token_ids) for o in outs)
     trace = eng.trace
     peak = max(trace, key=lambda t: t.allocated_slots)
@@ -101,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--skip-transformers", action="store_true",
                    help="measure the engine only (no baseline, no ratio)")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the engine run and print its top functions to stderr")
     p.add_argument("--out", default=None, help="write the JSON report here")
     a = p.parse_args(argv)
     if a.threads:
@@ -113,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(outputs)} output tokens", file=sys.stderr)
     report = {"command": "python -m bench.offline " + " ".join(argv or sys.argv[1:]),
               "model": a.model, "dtype": a.dtype, "threads": torch.get_num_threads()}
-    report["engine"] = run_engine(a.model, a.dtype, prompts, outputs, a.threads)
+    report["engine"] = run_engine(a.model, a.dtype, prompts, outputs, a.threads, a.profile)
     print(f"engine: {report['engine']}", file=sys.stderr)
     if not a.skip_transformers:
         report["transformers_static"] = run_transformers(a.model, a.dtype, prompts, outputs)
