@@ -68,6 +68,7 @@ class Settings:
     offline_requests: int = 64
     offline_timeout_s: float = 1200.0
     kv_cache_memory: str = "1GiB"
+    dtype: str = "float32"  # the workers' dtype in the disagg and prefix comparisons
     startup_timeout_s: float = 300.0
     long_prompt_params: Mapping[str, Any] = field(default_factory=dict)
     shared_prefix_params: Mapping[str, Any] = field(default_factory=dict)
@@ -182,7 +183,8 @@ def run_configuration(s: Settings, cfg: Configuration,
     cluster = LocalCluster(ClusterConfig(
         model=s.model, num_prefill=cfg.num_prefill, num_decode=1, http_port=0, grpc_port=0,
         disagg_threshold=cfg.disagg_threshold, cpus=cfg.cpus,
-        engine_args=("--kv-cache-memory", s.kv_cache_memory, *cfg.engine_args),
+        engine_args=("--kv-cache-memory", s.kv_cache_memory, "--dtype", s.dtype,
+                     *cfg.engine_args),
         prefill_args=cfg.prefill_args, decode_args=cfg.decode_args))
     log(f"{cfg.label}: starting cluster (cpus {cfg.cpus}; logs in {cluster.log_dir})")
     try:
@@ -545,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=None, metavar="N",
                    help=f"requests per disagg run (default {d.disagg_requests}) and prefix run "
                         f"(default {d.prefix_requests})")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"],
+                   help=f"workers' dtype for the disagg and prefix comparisons "
+                        f"(default {d.dtype})")
     p.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                    help=f"KV cache per worker (default {d.kv_cache_memory})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -555,7 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     s = Settings(model=a.model, seed=a.seed, ttft_slo_ms=a.ttft_slo, tpot_slo_ms=a.tpot_slo,
-                 kv_cache_memory=a.kv_cache_memory, progress=not a.no_progress,
+                 kv_cache_memory=a.kv_cache_memory, dtype=a.dtype,
+                 progress=not a.no_progress,
                  command=shlex.join(["python", "-m", "bench.compare", *argv]))
     if a.quick:
         s = dataclasses.replace(s, quick=True, **QUICK)
