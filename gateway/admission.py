@@ -3,8 +3,9 @@
 A request either gets one of `max_inflight` slots at once, or waits in the queue of its
 priority (lower number = served first, FIFO within a priority); each priority's queue holds
 at most `max_queue` requests, so a flood at one priority never refuses another, and a
-request arriving to its full queue is refused at once with a retry hint (`Overloaded`). A waiting request whose deadline passes leaves the queue with
-`asyncio.TimeoutError`; one that is cancelled leaves it too. A slot is returned with
+request arriving to its full queue is refused at once with a retry hint (`Overloaded`).
+A waiting request whose deadline passes leaves the queue with `asyncio.TimeoutError`; one
+that is cancelled leaves it too. A slot is returned with
 `release()` (the `slot()` context manager does both), and goes to the next waiting request.
 """
 

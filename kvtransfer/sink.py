@@ -51,8 +51,9 @@ class KVSink(Protocol):
       `ceil(num_prompt_tokens / block_size)`. It returns None for an unknown reservation
       and for one that no longer accepts KV (committed, aborted or expired).
     - `write_kv` receives validated tensors `[n, block_size, kv_heads, head_dim]` of the
-      spec's dtype on the CPU, which the caller no longer uses (the sink may keep them or
-      copy them to its device). It raises KeyError if the reservation is gone.
+      spec's dtype on the CPU: read-only views of the received message (no copy was made),
+      which the sink copies into its cache and must not write to. It raises KeyError if
+      the reservation is gone.
     - `commit_kv` is called once, after every (layer, block) was written; from then on the
       sequence belongs to the decode scheduler, which frees the blocks when it finishes.
     - `abort_kv` frees the reservation's blocks; it is a no-op for an unknown reservation.

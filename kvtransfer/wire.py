@@ -13,6 +13,7 @@ the receiver's `KVCacheSpec` and the reservation's size.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -131,8 +132,11 @@ def decode_chunk(
         raise KVChunkError("payload", f"{len(chunk.payload)} bytes, expected {expected}")
     if zlib.crc32(chunk.payload) != chunk.crc32:
         raise KVChunkError("crc32", "payload checksum mismatch")
-    # One copy into a writable buffer; torch.frombuffer handles bfloat16 like any dtype.
-    kv = torch.frombuffer(bytearray(chunk.payload), dtype=spec.torch_dtype)
+    # A read-only view of the payload, no copy: the sink copies it into the cache (its
+    # only use), so the warning about a non-writable buffer does not apply.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        kv = torch.frombuffer(chunk.payload, dtype=spec.torch_dtype)
     kv = kv.view(2, *shape)
     return DecodedChunk(chunk.layer, indices, kv[0], kv[1], len(chunk.payload))
 
