@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ class _Entry:
 
 class ReservationTable:
     def __init__(self, aengine: AsyncEngine, timeout_s: float,
-                 on_expired: callable = lambda rid: None) -> None:
+                 on_expired: Callable[[str], None] = lambda rid: None) -> None:
         self.aengine = aengine
         self.timeout_s = timeout_s
         self.on_expired = on_expired

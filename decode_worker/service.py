@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -22,44 +22,15 @@ from decode_worker.reservations import ReservationTable
 from engine.async_engine import AsyncEngine, RequestError
 from engine.llm_engine import SeqDelta
 from pdserve.convert import FINISH_REASONS, kv_spec_to_proto, logprobs_to_proto, sampling_from_proto
-from pdserve.metrics import TierMetrics
+from pdserve.metrics import TierMetrics, TokenTimer
 from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
 
 
-class RequestTimer:
-    """Token timings of one streamed request, recorded into metrics as it goes."""
-
-    def __init__(self, metrics: TierMetrics, start: float) -> None:
-        self.m = metrics
-        self.start = start
-        self.first: float | None = None
-        self.last: float | None = None
-        self.tokens = 0
-
-    def tokens_arrived(self, n: int) -> None:
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-            self.m.ttft.observe(now - self.start)
-        elif self.last is not None:
-            self.m.itl.observe(now - self.last)
-        self.last = now
-        self.tokens += n
-
-    def finished(self, reason: str) -> None:
-        now = time.monotonic()
-        self.m.e2e.observe(now - self.start)
-        if self.first is not None and self.tokens > 1:
-            self.m.tpot.observe((now - self.first) / (self.tokens - 1))
-            self.m.decode_time.observe(now - self.first)
-        self.m.success(reason)
-
-
 class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, aengine: AsyncEngine, table: ReservationTable, metrics: TierMetrics,
-                 stats: callable) -> None:
+                 stats: Callable[[], Awaitable[common_pb2.StatsResponse]]) -> None:
         self.aengine = aengine
         self.table = table
         self.metrics = metrics
@@ -88,7 +59,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         if request_id is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation_id: {rid!r} unknown "
                                 "(expired, cancelled or never made)")
-        timer = RequestTimer(self.metrics, time.monotonic())
+        timer = TokenTimer(self.metrics, time.monotonic())
         try:
             async for chunk in self._stream(self.aengine.stream(request_id), timer, rid):
                 yield chunk
@@ -103,7 +74,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     async def Generate(self, request: decode_pb2.ColocatedGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
         request_id = request.request_id or uuid.uuid4().hex
-        timer = RequestTimer(self.metrics, time.monotonic())
+        timer = TokenTimer(self.metrics, time.monotonic())
         try:
             params = sampling_from_proto(request.sampling, self.default_max_tokens)
             await self.aengine.add_request(request_id, list(request.prompt_token_ids), params)
@@ -117,10 +88,10 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             self.metrics.error("UNAVAILABLE")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
-    async def _stream(self, deltas: AsyncIterator[SeqDelta], timer: RequestTimer,
+    async def _stream(self, deltas: AsyncIterator[SeqDelta], timer: TokenTimer,
                       reservation_id: str | None) -> AsyncIterator[decode_pb2.TokenChunk]:
         async for d in deltas:
-            timer.tokens_arrived(len(d.new_token_ids))
+            timer.arrived(len(d.new_token_ids))
             chunk = decode_pb2.TokenChunk(
                 token_ids=d.new_token_ids,
                 logprobs=[logprobs_to_proto(lp) for lp in d.new_logprobs],
@@ -129,10 +100,18 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             if d.finished:
                 chunk.finish_reason = FINISH_REASONS[d.finish_reason]
                 chunk.timing.CopyFrom(self._timing(d, timer, reservation_id))
-                timer.finished(d.finish_reason or "abort")
+                self._finished(timer, d.finish_reason or "abort")
             yield chunk
 
-    def _timing(self, d: SeqDelta, timer: RequestTimer, reservation_id: str | None
+    def _finished(self, timer: TokenTimer, reason: str) -> None:
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - timer.start)
+        timer.observe_tpot()
+        if timer.count > 1:
+            m.decode_time.observe(timer.last - timer.first)
+        m.success(reason)
+
+    def _timing(self, d: SeqDelta, timer: TokenTimer, reservation_id: str | None
                 ) -> common_pb2.Timing:
         now = time.monotonic()
         started = d.first_scheduled_time or d.arrival_time

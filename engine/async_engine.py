@@ -24,7 +24,7 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine, SeqDelta
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprobs
+from engine.sequence import SequenceStatus, TokenLogprobs
 
 log = logging.getLogger("pdserve.engine")
 
@@ -256,7 +256,8 @@ class AsyncEngine:
         while window and now - window[0][0] > 5.0:
             window.pop(0)
         rate = sum(n for _, n in window) / 5.0 if window else 0.0
-        reserved = sum(1 for q in eng.seqs.values() if q.status.name == "WAITING_FOR_KV")
+        reserved = sum(1 for q in eng.seqs.values()
+                       if q.status == SequenceStatus.WAITING_FOR_KV)
         return EngineStats(len(s.running), len(s.waiting), reserved, ps.free, ps.total,
                            ps.cached, eng.counters.prompt_tokens,
                            eng.counters.generation_tokens, ps.prefix_queries, ps.prefix_hits,

@@ -49,6 +49,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # ref_count == 0 blocks, least recently released first
         self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._num_cached = 0  # blocks in _lru that hold a hash; kept as they move
         self._hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -61,7 +62,7 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(1 for b in self._lru if self.blocks[b].block_hash is not None)
+        return self._num_cached
 
     def stats(self) -> PoolStats:
         free = self.num_free_blocks
@@ -91,6 +92,7 @@ class BlockPool:
             block_id, _ = self._lru.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                self._num_cached -= 1
                 self._forget(block)
                 self.evictions += 1
             block.ref_count = 1
@@ -105,6 +107,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._lru[block_id] = None
+                self._num_cached += block.block_hash is not None
 
     # -- prefix cache -----------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], max_blocks: int) -> list[int]:
@@ -144,6 +147,7 @@ class BlockPool:
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             parent = hash_block(parent, chunk)
             block = self.blocks[block_ids[i]]
+            assert block.ref_count > 0, "only a sequence's own (held) blocks are registered"
             if block.block_hash is not None:
                 continue
             if parent in self._hash_to_block:
@@ -156,6 +160,7 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._lru[block_id]
+            self._num_cached -= block.block_hash is not None
         block.ref_count += 1
 
     def _forget(self, block: Block) -> None:

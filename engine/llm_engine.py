@@ -195,9 +195,6 @@ class LLMEngine:
         seq = self.seqs[request_id]
         self.scheduler.commit_remote_kv(seq)
         self.counters.prompt_tokens += seq.num_prompt_tokens
-        full = seq.num_computed_tokens // self.pool.block_size
-        self.pool.register_full_blocks(seq.block_table, seq.all_token_ids, 0, full)
-        seq.num_registered_blocks = full
         return self._append_token(seq, first_token, logprobs)
 
     # -- stepping ---------------------------------------------------------------------------

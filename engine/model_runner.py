@@ -74,10 +74,8 @@ class ModelRunner:
             if s.samples:
                 logits_idx.append(qsl[-1] - 1)
                 sampling.append(s)
-        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table,
-                                                              dtype=torch.int32)
+        tables = torch.tensor([s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table))
+                               for s in scheduled], dtype=torch.int32)
         dev = self.device
         query_lens = [s.num_new_tokens for s in scheduled]
         num_decodes = 0

@@ -105,6 +105,7 @@ class Scheduler:
         seq.first_scheduled_time = time.monotonic()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._register_full_blocks(seq)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -190,10 +191,12 @@ class Scheduler:
     def after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Advance computed counts and enter newly full blocks into the prefix cache."""
         for s in scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            full = seq.num_computed_tokens // self.pool.block_size
-            if full > seq.num_registered_blocks:
-                self.pool.register_full_blocks(seq.block_table, seq.all_token_ids,
-                                               seq.num_registered_blocks, full)
-                seq.num_registered_blocks = full
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self._register_full_blocks(s.seq)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_computed_tokens // self.pool.block_size
+        if full > seq.num_registered_blocks:
+            self.pool.register_full_blocks(seq.block_table, seq.all_token_ids,
+                                           seq.num_registered_blocks, full)
+            seq.num_registered_blocks = full

@@ -4,8 +4,9 @@ workers share (sampling params, finish reasons, KV layout) comes from `pdserve.c
 from __future__ import annotations
 
 from engine.kv_cache import KVCacheSpec
+from engine.sequence import TokenLogprobs
 from gateway.registry import Load
-from gateway.request import RequestTiming, TokenLogprob
+from gateway.request import RequestTiming
 from pdserve import convert as shared
 from protos.pdserve.v1 import common_pb2
 
@@ -29,16 +30,12 @@ def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict:
     return out
 
 
-def logprobs_from_proto(items) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(x.token_id, x.logprob,
-                              tuple((t.token_id, t.logprob) for t in x.top)) for x in items)
+def logprobs_from_proto(items) -> tuple[TokenLogprobs, ...]:
+    return tuple(shared.logprobs_from_proto(x) for x in items)
 
 
-def logprobs_to_proto(items: tuple[TokenLogprob, ...]) -> list[common_pb2.TokenLogprobs]:
-    return [common_pb2.TokenLogprobs(
-        token_id=x.token_id, logprob=x.logprob,
-        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in x.top])
-        for x in items]
+def logprobs_to_proto(items: tuple[TokenLogprobs, ...]) -> list[common_pb2.TokenLogprobs]:
+    return [shared.logprobs_to_proto(x) for x in items]
 
 
 def timing_to_proto(t: RequestTiming) -> common_pb2.Timing:

@@ -10,8 +10,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sequence import TokenLogprobs
 from gateway.errors import GatewayError, invalid
-from gateway.request import GenerationDelta, TokenLogprob, Usage
+from gateway.request import GenerationDelta, Usage
 
 TokenText = Callable[[int], str]
 
@@ -195,7 +196,7 @@ def usage_json(u: Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-def completion_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText,
+def completion_logprobs(lps: tuple[TokenLogprobs, ...], token_text: TokenText,
                         offset: int = 0) -> dict:
     tokens = [token_text(x.token_id) for x in lps]
     offsets = []
@@ -207,7 +208,7 @@ def completion_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText,
             "text_offset": offsets}
 
 
-def chat_logprobs(lps: tuple[TokenLogprob, ...], token_text: TokenText) -> dict:
+def chat_logprobs(lps: tuple[TokenLogprobs, ...], token_text: TokenText) -> dict:
     def entry(tid: int, lp: float) -> dict:
         s = token_text(tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}

@@ -37,7 +37,7 @@ from gateway.errors import ErrorKind, GatewayError, from_worker_status
 from gateway.output import TextOutput
 from gateway.registry import Role, Worker, WorkerRegistry
 from gateway.request import GenerationDelta, GenerationRequest, RequestTiming, Usage
-from pdserve.metrics import TierMetrics
+from pdserve.metrics import TierMetrics, TokenTimer
 from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.gateway")
@@ -140,19 +140,11 @@ class Orchestrator:
         else:
             chunks = self._colocated(req, decodes)
         out = TextOutput(self.tokenizer, req.prompt_token_ids, req.stop)
-        num_out, first_at, last_at = 0, None, None
+        timer = TokenTimer(self.metrics, req.arrival)
         async with contextlib.aclosing(chunks):
             async for ch in chunks:
-                now = time.monotonic()
                 ids = tuple(ch.token_ids)
-                if ids:
-                    if first_at is None:
-                        first_at = now
-                        self.metrics.ttft.observe(now - req.arrival)
-                    else:
-                        self.metrics.itl.observe(now - last_at)
-                    last_at = now
-                num_out += len(ids)
+                timer.arrived(len(ids))
                 text = out.add(ids)
                 lps = logprobs_from_proto(ch.logprobs)
                 if out.stopped or ch.finish_reason:
@@ -165,17 +157,17 @@ class Orchestrator:
                                                "the decode worker aborted the request")
                         text += out.finish()
                         trace.final = ch
-                    emit(self._finish(req, trace, text, ids, lps, reason, num_out, ch,
-                                      first_at, last_at))
+                    emit(self._finish(req, trace, text, ids, lps, reason, ch, timer))
                     return
                 if ids or text:
                     emit(GenerationDelta(text, ids, lps))
         raise GatewayError(ErrorKind.UNAVAILABLE, "the worker's stream ended unfinished")
 
     def _finish(self, req: GenerationRequest, trace: _Trace, text: str, ids: tuple[int, ...],
-                lps: tuple, reason: str, num_out: int, last: decode_pb2.TokenChunk,
-                first_at: float | None, last_at: float | None) -> GenerationDelta:
+                lps: tuple, reason: str, last: decode_pb2.TokenChunk, timer: TokenTimer
+                ) -> GenerationDelta:
         m, now = self.metrics, time.monotonic()
+        num_out = timer.count
         final = trace.final or last
         pf = trace.prefill
         num_prompt = final.num_prompt_tokens or len(req.prompt_token_ids)
@@ -193,8 +185,7 @@ class Orchestrator:
         m.queue_time.observe(timing.queue_s)
         m.prefill_time.observe(timing.prefill_s)
         m.decode_time.observe(timing.decode_s)
-        if num_out > 1 and first_at is not None and last_at is not None:
-            m.tpot.observe((last_at - first_at) / (num_out - 1))
+        timer.observe_tpot()
         m.prompt_tokens.inc(num_prompt)
         m.generation_tokens.inc(num_out)
         m.success(reason)

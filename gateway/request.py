@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -26,13 +27,6 @@ class GenerationRequest:
     @property
     def deadline(self) -> float | None:
         return None if self.timeout_s is None else self.arrival + self.timeout_s
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -59,7 +53,7 @@ class GenerationDelta:
 
     text: str
     token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprob, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
     timing: RequestTiming | None = field(default=None)

@@ -9,6 +9,8 @@ streams itself. Gauges are refreshed from engine stats by the owning service.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -97,3 +99,31 @@ class TierMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TokenTimer:
+    """One streamed request's token timings: TTFT and inter-token latency observed as
+    tokens arrive, TPOT (first token to last, per token after the first) at the end."""
+
+    def __init__(self, metrics: TierMetrics, start: float) -> None:
+        self.m = metrics
+        self.start = start  # time.monotonic() when the request arrived
+        self.first: float | None = None
+        self.last: float | None = None
+        self.count = 0
+
+    def arrived(self, n: int) -> None:
+        if n == 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.m.ttft.observe(now - self.start)
+        else:
+            self.m.itl.observe(now - self.last)
+        self.last = now
+        self.count += n
+
+    def observe_tpot(self) -> None:
+        if self.count > 1:
+            self.m.tpot.observe((self.last - self.first) / (self.count - 1))

@@ -21,7 +21,10 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from pdserve.convert import kv_spec_to_proto
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
 from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -247,7 +250,7 @@ class WorkerBase:
     role_proto = 0  # gateway_pb2.WorkerRole value
     service_names: tuple[str, ...] = ()  # full names of the tier's gRPC services
 
-    def __init__(self, config: WorkerConfig, engine=None) -> None:
+    def __init__(self, config: WorkerConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
         self.worker_id = config.worker_id or new_worker_id(self.role)
         self._engine = engine  # tests may hand in an already-loaded engine
@@ -255,16 +258,13 @@ class WorkerBase:
         self.address = ""
         self.metrics_server: MetricsServer | None = None
         self.registration: GatewayRegistration | None = None
-        self.aengine = None
+        self.aengine: AsyncEngine | None = None
 
     @property
     def metrics_port(self) -> int | None:
         return self.metrics_server.port if self.metrics_server else None
 
     async def start(self) -> None:
-        from engine.async_engine import AsyncEngine
-        from engine.llm_engine import LLMEngine
-
         cfg = self.config
         self.grpc = GrpcService(cfg.host, cfg.port, self.service_names)
         await self.grpc.start()  # health answers NOT_SERVING while the model loads
@@ -316,16 +316,12 @@ class WorkerBase:
             total_blocks=s.total_blocks, tokens_per_s=s.tokens_per_s, queue_depth=s.waiting)
 
     def worker_info(self) -> gateway_pb2.WorkerInfo:
-        from pdserve.convert import kv_spec_to_proto
-
         return gateway_pb2.WorkerInfo(
             worker_id=self.worker_id, role=self.role_proto, address=self.address,
             model=self.model_name, kv_spec=kv_spec_to_proto(self.engine.kv_spec),
             load=self.load())
 
     async def stats(self) -> common_pb2.StatsResponse:
-        from pdserve.convert import kv_spec_to_proto
-
         return common_pb2.StatsResponse(worker_id=self.worker_id, model=self.model_name,
                                         load=self.load(),
                                         kv_spec=kv_spec_to_proto(self.engine.kv_spec))

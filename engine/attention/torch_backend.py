@@ -6,6 +6,8 @@ CPU. The three functions below are the references; `TorchAttentionBackend` wires
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -72,6 +74,42 @@ def prefill_attention_reference(
     return out
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What decode attention gathers for one group of sequences. It depends only on the
+    batch layout, so a step builds it once and every layer reuses it."""
+
+    rows: torch.Tensor | None  # the group's rows of the decode batch; None = all, in order
+    blocks: torch.Tensor  # [B * num_blocks] block ids, each table cut/padded to num_blocks
+    mask: torch.Tensor  # [B, 1, 1, num_blocks * block_size]: True where a key exists
+    num_blocks: int
+
+
+def plan_decode(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                max_len: int, rows: torch.Tensor | None = None) -> DecodePlan:
+    nblocks = (max_len + block_size - 1) // block_size
+    mask = (torch.arange(nblocks * block_size, device=seq_lens.device).unsqueeze(0)
+            < seq_lens.unsqueeze(1))
+    return DecodePlan(rows, block_tables[:, :nblocks].reshape(-1).long(),
+                      mask[:, None, None, :], nblocks)
+
+
+def decode_attention_planned(query: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, plan: DecodePlan, scale: float
+                             ) -> torch.Tensor:
+    b, hq, d = query.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    s = plan.num_blocks * bs
+    # index_select on whole blocks is the cheapest gather; then [B, Hkv, S, D] views
+    k = k_cache.index_select(0, plan.blocks).view(b, s, hkv, d).transpose(1, 2)
+    v = v_cache.index_select(0, plan.blocks).view(b, s, hkv, d).transpose(1, 2)
+    # a decode's G query heads of one KV head share its keys and mask: fold them into the
+    # query-length axis instead of repeating K/V G times
+    q = query.view(b, hkv, hq // hkv, d).to(k.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
+    return o.reshape(b, hq, d).to(query.dtype)
+
+
 def decode_attention_reference(
     query: torch.Tensor,  # [B, Hq, D], one token per sequence
     k_cache: torch.Tensor,
@@ -82,20 +120,10 @@ def decode_attention_reference(
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its whole cached context (padded batch + mask)."""
-    b, hq, d = query.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    b = query.shape[0]
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    nblocks = (max_len + bs - 1) // bs
-    idx = block_tables[:b, :nblocks].reshape(-1).long()
-    # index_select on whole blocks is the cheapest gather; then [B, Hkv, S, D] views
-    k = k_cache.index_select(0, idx).view(b, nblocks * bs, hkv, d).transpose(1, 2)
-    v = v_cache.index_select(0, idx).view(b, nblocks * bs, hkv, d).transpose(1, 2)
-    mask = torch.arange(nblocks * bs, device=query.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-    # a decode's G query heads of one KV head share its keys and mask: fold them into the
-    # query-length axis instead of repeating K/V G times
-    q = query.view(b, hkv, hq // hkv, d).to(k.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-    return o.reshape(b, hq, d).to(query.dtype)
+    plan = plan_decode(seq_lens[:b], block_tables[:b], k_cache.shape[1], max_len)
+    return decode_attention_planned(query, k_cache, v_cache, plan, scale)
 
 
 def length_buckets(seq_lens: list[int], ratio: float = 2.0) -> list[list[int]]:
@@ -111,21 +139,29 @@ def length_buckets(seq_lens: list[int], ratio: float = 2.0) -> list[list[int]]:
     return groups
 
 
-def decode_attention_bucketed(query, k_cache, v_cache, seq_lens: torch.Tensor,
-                              seq_lens_cpu: list[int], block_tables: torch.Tensor,
-                              scale: float) -> torch.Tensor:
-    """`decode_attention_reference` run per group of similar context lengths: the padded
-    gather of a mixed batch otherwise reads up to (longest / shortest) times the bytes."""
+def plan_decode_buckets(seq_lens: torch.Tensor, seq_lens_cpu: list[int],
+                        block_tables: torch.Tensor, block_size: int) -> list[DecodePlan]:
+    """One plan per group of similar context lengths: the padded gather of a mixed batch
+    otherwise reads up to (longest / shortest) times the bytes."""
     groups = length_buckets(seq_lens_cpu)
     if len(groups) == 1:
-        return decode_attention_reference(query, k_cache, v_cache, seq_lens, block_tables,
-                                          scale, max(seq_lens_cpu))
-    out = torch.empty_like(query)
+        return [plan_decode(seq_lens, block_tables, block_size, max(seq_lens_cpu))]
+    plans = []
     for g in groups:
-        idx = torch.tensor(g, device=query.device)
-        out[idx] = decode_attention_reference(
-            query[idx], k_cache, v_cache, seq_lens[idx], block_tables[idx], scale,
-            max(seq_lens_cpu[i] for i in g))
+        rows = torch.tensor(g, device=seq_lens.device)
+        plans.append(plan_decode(seq_lens[rows], block_tables[rows], block_size,
+                                 max(seq_lens_cpu[i] for i in g), rows))
+    return plans
+
+
+def decode_attention_bucketed(query, k_cache, v_cache, plans: list[DecodePlan],
+                              scale: float) -> torch.Tensor:
+    if len(plans) == 1 and plans[0].rows is None:
+        return decode_attention_planned(query, k_cache, v_cache, plans[0], scale)
+    out = torch.empty_like(query)
+    for plan in plans:
+        out[plan.rows] = decode_attention_planned(query[plan.rows], k_cache, v_cache, plan,
+                                                  scale)
     return out
 
 
@@ -136,20 +172,35 @@ class TorchAttentionBackend(AttentionBackend):
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
+    def __init__(self) -> None:
+        # the step's plan, built at its first layer and reused by the others
+        self._planned_for: AttentionMetadata | None = None
+        self._decode_plans: list[DecodePlan] = []
+        self._prefill_starts: list[int] = []
+
+    def _plan(self, meta: AttentionMetadata, block_size: int) -> None:
+        if self._planned_for is meta:
+            return
+        nd = meta.num_decodes
+        self._decode_plans = plan_decode_buckets(
+            meta.seq_lens[:nd], meta.seq_lens_cpu[:nd], meta.block_tables[:nd],
+            block_size) if nd else []
+        starts = [0]
+        for n in meta.query_lens_cpu[nd:]:
+            starts.append(starts[-1] + n)
+        self._prefill_starts = starts
+        self._planned_for = meta
+
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        self._plan(meta, k_cache.shape[1])
         nd = meta.num_decodes
         if nd == meta.num_seqs:
-            return decode_attention_bucketed(query, k_cache, v_cache, meta.seq_lens,
-                                             meta.seq_lens_cpu, meta.block_tables, scale)
+            return decode_attention_bucketed(query, k_cache, v_cache, self._decode_plans, scale)
         out = torch.empty_like(query)
         if nd:
-            out[:nd] = decode_attention_bucketed(
-                query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.seq_lens_cpu[:nd],
-                meta.block_tables[:nd], scale)
-        qsl = [0]
-        for n in meta.query_lens_cpu[nd:]:
-            qsl.append(qsl[-1] + n)
+            out[:nd] = decode_attention_bucketed(query[:nd], k_cache, v_cache,
+                                                 self._decode_plans, scale)
         out[nd:] = prefill_attention_reference(
-            query[nd:], k_cache, v_cache, qsl, meta.seq_lens_cpu[nd:], meta.block_tables[nd:],
-            scale)
+            query[nd:], k_cache, v_cache, self._prefill_starts, meta.seq_lens_cpu[nd:],
+            meta.block_tables[nd:], scale)
         return out
