@@ -59,6 +59,19 @@ class LayerWeights:
 LayerHook = Callable[[int], None]
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T through oneDNN's matmul. On the CPU `F.linear` in float32 goes to MKL's
+    sgemm, which re-packs the weight on every call: 1.2-2.5x slower at decode batch sizes
+    (up to 4x for the LM head), measured in docs/benchmarks.md section 1."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def pick_linear(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        return onednn_linear
+    return F.linear
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # computed in float32 like the reference implementation, then cast back
     xf = x.float()
@@ -69,6 +82,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Llama / transformers convention); cos/sin broadcast to x."""
+    return x * cos + _rotate_half(x) * sin
 
 
 class LlamaModel:
@@ -102,6 +120,7 @@ class LlamaModel:
                 down=w(p + "mlp.down_proj.weight"),
             ))
         self._init_rope(hf_config)
+        self.linear = pick_linear(device)
 
     def _init_rope(self, hf_config: Any) -> None:
         # The model's own RoPE parameters (theta, scaling type) as transformers computes them.
@@ -132,26 +151,27 @@ class LlamaModel:
         t = input_ids.shape[0]
         q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         scale = d.head_dim ** -0.5
+        linear = self.linear
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         x = self.embed[input_ids]  # [T, H]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv)
+            qkv = linear(h, layer.qkv)
             # RoPE on Q and K heads together: one pass instead of two
             qk = qkv[:, :q_size + kv_size].view(t, d.num_heads + d.num_kv_heads, d.head_dim)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = apply_rope(qk, cos, sin)
             q, k = qk[:, :d.num_heads], qk[:, d.num_heads:]
             v = qkv[:, q_size + kv_size:].view(t, d.num_kv_heads, d.head_dim)
             k_cache, v_cache = kv_cache.key(i), kv_cache.value(i)
             backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k_cache, v_cache, meta, scale)  # [T, Hq, D]
-            x = x + F.linear(attn.reshape(t, q_size), layer.o)
+            x = x + linear(attn.reshape(t, q_size), layer.o)
             h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
-            gate_up = F.linear(h, layer.gate_up)
+            gate_up = linear(h, layer.gate_up)
             inter = gate_up.shape[-1] // 2
-            x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.down)
+            x = x + linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.down)
             if layer_hook is not None:
                 layer_hook(i)
         x = rms_norm(x[logits_indices], self.final_norm, d.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()

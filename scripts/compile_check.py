@@ -62,7 +62,7 @@ SHAPES = {
     "d64_g3": (9, 3, 64),  # SmolLM2-135M
 }
 DTYPES = ("fp16", "bf16", "fp32")  # all three are cache dtypes the launchers accept
-KERNELS = ("store_kv", "prefill", "decode", "decode_split")
+KERNELS = ("store_kv", "prefill", "decode", "decode_split", "rms_norm", "rotary")
 
 # Non-default launcher arguments worth knowing about (gpu_check.py's sweeps), advisory.
 PREFILL_SWEEP = [
@@ -158,6 +158,8 @@ def capture_launches(case: Case) -> list:
     import engine.kernels as kernels_pkg
     from engine.kernels import paged_decode_attention as dec
     from engine.kernels import prefill_attention as pre
+    from engine.kernels import rms_norm as rms
+    from engine.kernels import rotary as rot
     from engine.kernels import store_kv as sto
 
     if kernels_pkg.interpreted():
@@ -176,12 +178,14 @@ def capture_launches(case: Case) -> list:
         setattr(module, name, value)
 
     try:
-        for module in (dec, pre, sto):
+        for module in (dec, pre, sto, rms, rot):
             patch(module, "check_device", lambda *tensors: None)  # CPU tensors stand in
         patch(sto, "_store_kv_kernel", _Recorder(sto._store_kv_kernel, launches))
         patch(pre, "_prefill_kernel", _Recorder(pre._prefill_kernel, launches))
         patch(dec, "_decode_kernel", _Recorder(dec._decode_kernel, launches))
         patch(dec, "_reduce_kernel", _Recorder(dec._reduce_kernel, launches))
+        patch(rms, "_rms_norm_kernel", _Recorder(rms._rms_norm_kernel, launches))
+        patch(rot, "_rotary_kernel", _Recorder(rot._rotary_kernel, launches))
 
         if case.kernel == "store_kv":
             t = 256
@@ -206,6 +210,23 @@ def capture_launches(case: Case) -> list:
                 seq_lens=torch.full((batch,), ctx, dtype=torch.int32), block_tables=tables,
                 scale=d ** -0.5, max_seq_len=ctx, validate=False,
                 split_k=case.kernel == "decode_split", **case.launch)
+        elif case.kernel == "rms_norm":
+            # The model's hidden size is hq * d for both shapes. Two launches: the fused add
+            # at a prefill's length (several rows per program for small hidden sizes) and
+            # the plain norm at a decode batch's (one row per program).
+            hidden = hq * d
+            x = torch.zeros(4096, hidden, dtype=dt)
+            w = torch.ones(hidden, dtype=dt)
+            rms.add_rms_norm(x=x, weight=w, eps=1e-5, residual=torch.zeros_like(x))
+            rms.add_rms_norm(x=x[:64], weight=w, eps=1e-5)
+        elif case.kernel == "rotary":
+            t, max_position = 256, 8192
+            rot.rotary_embedding(
+                qkv=torch.zeros(t, (hq + 2 * hkv) * d, dtype=dt),
+                cos=torch.zeros(max_position, d, dtype=dt),
+                sin=torch.zeros(max_position, d, dtype=dt),
+                positions=torch.arange(t, dtype=torch.int64), num_q_heads=hq,
+                num_kv_heads=hkv, head_dim=d, validate=False)
         else:
             raise ValueError(f"unknown kernel {case.kernel!r}")
     finally:

@@ -8,15 +8,19 @@ one keeps what it measured and loses nothing of the others. The report is rewrit
 every section.
 
     env                 device, versions, peak bandwidth / bf16 TFLOP/s by device name
-    kernel_tests        tests/test_kernels.py + tests/test_triton_backend.py, compiled
+    kernel_tests        tests/test_kernels.py, test_kernels_fused.py, test_triton_backend.py,
+                        compiled
     decode_bandwidth    paged decode GB/s (split-K heuristic and its choice, forced on,
                         forced off; small tile sweeps) beside SDPA on contiguous K/V
     prefill_tflops      varlen prefill TFLOP/s (block_m/block_n/warps/stages sweep, the
                         default config recorded) beside causal SDPA
-
-`--only a,b` runs just those sections (in the order above).
+    fused_ops           residual add + RMSNorm and RoPE: the Triton kernels vs llama.py's
+                        eager torch (and torch.compile of it), us / GB/s / speedup / error,
+                        at SmolLM2 and Llama-8B shapes: do the kernels pay for wiring in?
     engine_throughput   SmolLM2 generate() tokens/s with the triton backend (+ a greedy
                         parity glance against the torch backend)
+
+`--only a,b` runs just those sections (in the order above).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ SECTIONS = {  # name -> time box in seconds
     "kernel_tests": 170,
     "decode_bandwidth": 100,
     "prefill_tflops": 150,  # ~20 sweep configs, each a compile
+    "fused_ops": 75,  # ~45 s expected; torch.compile stops being tried past FUSED_COMPILE_S
     "engine_throughput": 120,
 }
 # (peak HBM bytes/s, dense bf16 FLOP/s) by a substring of torch's device name; first match.
@@ -301,7 +306,8 @@ def section_env(res: Result, dry_run: bool) -> None:
 
 
 def section_kernel_tests(res: Result, dry_run: bool) -> None:
-    files = ["tests/test_kernels.py", "tests/test_triton_backend.py"]
+    files = ["tests/test_kernels.py", "tests/test_kernels_fused.py",
+             "tests/test_triton_backend.py"]
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
@@ -389,6 +395,213 @@ def section_prefill_tflops(res: Result, dry_run: bool) -> None:
                                       (256, 64, 8, 3))]
     guarded(res, "smollm2_4x2048", prefill_point, "cuda", dt, [(2048, 2048)] * 4, 9, 3, 64, 16,
             flops, small_sweep)
+
+
+# torch.compile is tried only while fused_ops is younger than this: a first inductor compile
+# can take tens of seconds on a fresh machine, and the section must stay under a minute.
+FUSED_COMPILE_S = 30.0
+
+
+def _bandwidth(nbytes: int, ms: float, peak_bw: float | None) -> dict:
+    r = {"us": round(ms * 1e3, 2), "GBps": round(nbytes / ms / 1e6, 1)}
+    if peak_bw:
+        r["pct_peak"] = round(100 * nbytes / (ms * 1e-3) / peak_bw, 1)
+    return r
+
+
+def _fused_case(kind: str, device: str, dtype, t: int, shape: dict) -> dict:
+    """One fused-op measurement's inputs: the eager function (llama.py's math, as a function
+    of tensors so torch.compile can take it), the kernel call, their error, useful bytes.
+
+    kind: "add_rms_norm" (x = x + out; h = rms_norm(x)), "rms_norm" (no add) or "rope".
+    Bytes count what the fused op must move (each input read once, each output written
+    once), the same for all three variants, so GB/s compares them like-for-like.
+    """
+    import torch
+
+    from engine.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rows_per_program
+    from engine.kernels.rotary import rope_reference, rotary_embedding, rotary_reference
+    from engine.llama import rms_norm
+
+    torch.manual_seed(0)
+    es = torch.empty((), dtype=dtype).element_size()
+    if kind in ("add_rms_norm", "rms_norm"):
+        h, eps, residual = shape["h"], 1e-5, kind == "add_rms_norm"
+        x = torch.randn(t, h, dtype=dtype, device=device)
+        r = torch.randn(t, h, dtype=dtype, device=device)
+        w = (1 + 0.1 * torch.randn(h, device=device)).to(dtype)
+        r_kernel = r.clone()
+        y = add_rms_norm(x=x, weight=w, eps=eps, residual=r_kernel if residual else None)
+        ref_y, ref_r = add_rms_norm_reference(x, w, eps, r if residual else None)
+        err = {"max_abs_err": float((y.float() - ref_y.float()).abs().max()),
+               "exact_fraction": round(float((y == ref_y).float().mean()), 4)}
+        if residual:
+            err["residual_max_abs_err"] = float((r_kernel.float() - ref_r.float()).abs().max())
+        # The timed kernel adds into its residual thousands of times; a small x keeps that
+        # sum far from fp16's range (values do not change the time).
+        xt = x * 1e-3
+
+        if residual:
+            def eager(x_, r_, w_):
+                s = r_ + x_
+                return s, rms_norm(s, w_, eps)
+        else:
+            def eager(x_, r_, w_):
+                return rms_norm(x_, w_, eps)
+
+        def kernel(**kw):
+            return lambda: add_rms_norm(x=xt, weight=w, eps=eps,
+                                        residual=r_kernel if residual else None, **kw)
+
+        return {"bytes": ((4 if residual else 2) * t * h + h) * es, "eager": eager,
+                "args": (xt, r, w), "kernel": kernel, "error": err,
+                "launch": {"rows": rows_per_program(t, h)}}
+    if kind != "rope":
+        raise ValueError(kind)
+    hq, hkv, d, max_position = shape["hq"], shape["hkv"], shape["d"], 8192
+    n = hq + hkv
+    qkv = torch.randn(t, (n + hkv) * d, dtype=dtype, device=device)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=device).float() / d)
+    freqs = torch.outer(torch.arange(max_position, device=device).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.randint(0, max_position, (t,), device=device)
+    q_kernel = qkv.clone()
+    rotary_embedding(qkv=q_kernel, cos=cos, sin=sin, positions=positions, num_q_heads=hq,
+                     num_kv_heads=hkv, head_dim=d)
+    ref = rotary_reference(qkv, cos, sin, positions, hq, hkv, d)
+    err = {"max_abs_err": float((q_kernel.float() - ref.float()).abs().max()),
+           "exact_fraction": round(float((q_kernel == ref).float().mean()), 4),
+           "v_untouched": bool(torch.equal(q_kernel[:, n * d:], qkv[:, n * d:]))}
+
+    # llama.py gathers cos/sin once per forward and runs this per layer: timed per layer.
+    def eager(qkv_, c_, s_):
+        return rope_reference(qkv_[:, :n * d].view(t, n, d), c_, s_)
+
+    def kernel(**kw):
+        # In place, call after call: a rotation keeps the values' scale.
+        return lambda: rotary_embedding(qkv=q_kernel, cos=cos, sin=sin, positions=positions,
+                                        num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                        validate=False, **kw)
+
+    return {"bytes": (2 * t * n * d + 2 * t * d) * es, "eager": eager,
+            "args": (qkv, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)),
+            "kernel": kernel, "error": err, "launch": {}}
+
+
+def fused_point(kind: str, device: str, dtype, t: int, shape: dict, peak_bw: float | None,
+                sweep: list[dict] | None) -> dict:
+    """Eager vs the Triton kernel (torch.compile is added by a later pass, budget allowing)."""
+    time_ms = _timer(device)
+    case = _fused_case(kind, device, dtype, t, shape)
+    nbytes, args = case["bytes"], case["args"]
+    out = {"T": t, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "bytes": nbytes,
+           **case["error"], **case["launch"],
+           "eager": _bandwidth(nbytes, time_ms(lambda: case["eager"](*args)), peak_bw),
+           "triton": _bandwidth(nbytes, time_ms(case["kernel"]()), peak_bw)}
+    out["speedup_vs_eager"] = round(out["eager"]["us"] / out["triton"]["us"], 2)
+    for cfg in sweep or []:
+        key = "sweep_" + "_".join(f"{a}{b}" for a, b in cfg.items())
+        try:
+            out[key] = _bandwidth(nbytes, time_ms(case["kernel"](**cfg)), peak_bw)
+        except Exception as e:  # noqa: BLE001 - an unsupported config is a data point
+            out[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def fused_compiled(kind: str, device: str, dtype, t: int, shape: dict,
+                   peak_bw: float | None, backend: str = "inductor") -> dict:
+    """torch.compile of the same eager function: what the kernels must beat to pay."""
+    import torch
+
+    time_ms = _timer(device)
+    case = _fused_case(kind, device, dtype, t, shape)
+    fn = torch.compile(case["eager"], dynamic=False, backend=backend)
+    t0 = time.perf_counter()
+    fn(*case["args"])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    compile_s = round(time.perf_counter() - t0, 1)
+    return {**_bandwidth(case["bytes"], time_ms(lambda: fn(*case["args"])), peak_bw),
+            "compile_s": compile_s, "backend": backend}
+
+
+def section_fused_ops(res: Result, dry_run: bool) -> None:
+    import torch
+
+    t_start = time.time()
+    _, bw, _ = _peaks()
+    if dry_run:  # the interpreter: one tiny point per op, torch.compile without inductor
+        device, dtypes, lengths = "cpu", [torch.float32], [4]
+        shapes = {"tiny": {"h": 64, "hq": 4, "hkv": 2, "d": 16}}
+    else:
+        device, dtypes, lengths = "cuda", [torch.bfloat16, torch.float16], [64, 4096]
+        shapes = {"smollm2": {"h": 576, "hq": 9, "hkv": 3, "d": 64},
+                  "llama8b": {"h": 4096, "hq": 32, "hkv": 8, "d": 128}}
+    # Launch-parameter sweeps at the prefill length, bf16: what to retune if wiring in.
+    sweeps = {("add_rms_norm", "tiny"): [{"rows": 2}], ("rope", "tiny"): [{"block_heads": 2}]
+              } if dry_run else {
+        ("add_rms_norm", "smollm2"): [{"rows": r} for r in (1, 2, 8)] + [{"num_warps": 4}],
+        ("add_rms_norm", "llama8b"): [{"num_warps": w} for w in (4, 16)],
+        ("rope", "llama8b"): [{"block_heads": b} for b in (4, 8, 32)],
+    }
+    res["config"] = {"T": lengths, "dtypes": [str(d) for d in dtypes], "shapes": shapes,
+                     "compile_budget_s": None if dry_run else FUSED_COMPILE_S}
+    points = []  # (kind, shape name, T, dtype)
+    for name in shapes:
+        for t in lengths:
+            for dt in dtypes:
+                points += [("add_rms_norm", name, t, dt), ("rope", name, t, dt)]
+        # The plain norm runs twice per forward (first input norm, final norm), not twice
+        # per layer: one point per shape is enough to see it.
+        points.append(("rms_norm", name, lengths[-1], dtypes[0]))
+
+    def key(kind: str, name: str, t: int, dt) -> str:
+        return f"{kind}_{name}_T{t}_{str(dt).replace('torch.', '')}"
+
+    for kind, name, t, dt in points:
+        sweep = sweeps.get((kind, name)) if t == lengths[-1] and dt == dtypes[0] else None
+        guarded(res, key(kind, name, t, dt), fused_point, kind, device, dt, t, shapes[name],
+                bw, sweep)
+
+    # torch.compile, second and only while the budget lasts: the eager/kernel numbers above
+    # never wait on it. First dtype only (the kernels' verdict does not hinge on fp16).
+    import torch._dynamo
+
+    for limit in ("recompile_limit", "cache_size_limit"):  # one entry per shape and dtype
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
+    if not dry_run:
+        try:
+            import torch._inductor.config as inductor_config
+
+            # A graph or two of small kernels each: one in-process compile thread is ready
+            # at once, where a worker pool would have to start first.
+            inductor_config.compile_threads = 1
+        except Exception:  # noqa: BLE001 - a tuning knob; its absence changes nothing else
+            pass
+    failures = 0
+    for kind, name, t, dt in points:
+        point = res.get(key(kind, name, t, dt))
+        if not isinstance(point, dict) or "error" in point or dt != dtypes[0]:
+            continue
+        if failures >= 2:
+            point["torch_compile"] = {"skipped": "torch.compile failed on earlier points"}
+        elif time.time() - t_start > FUSED_COMPILE_S:
+            point["torch_compile"] = {"skipped": f"section past {FUSED_COMPILE_S:.0f} s"}
+        else:
+            try:
+                # Dry run: dynamo's trace of the eager function only; inductor's CPU codegen
+                # is slow and proves nothing about the GPU.
+                point["torch_compile"] = fused_compiled(
+                    kind, device, dt, t, shapes[name], bw,
+                    backend="eager" if dry_run else "inductor")
+                point["speedup_vs_compiled"] = round(
+                    point["torch_compile"]["us"] / point["triton"]["us"], 2)
+            except Exception as e:  # noqa: BLE001 - optional: recorded, then skipped
+                failures += 1
+                point["torch_compile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        res.save()
 
 
 def _engine_model() -> str:
@@ -482,6 +695,7 @@ SECTION_FNS = {
     "kernel_tests": section_kernel_tests,
     "decode_bandwidth": section_decode_bandwidth,
     "prefill_tflops": section_prefill_tflops,
+    "fused_ops": section_fused_ops,
     "engine_throughput": section_engine_throughput,
 }
 

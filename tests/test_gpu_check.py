@@ -21,13 +21,16 @@ def test_gpu_check_dry_run(tmp_path):
     assert report["dry_run"] is True
     sections = report["sections"]
     assert list(sections) == ["env", "kernel_tests", "decode_bandwidth", "prefill_tflops",
-                              "engine_throughput"]
+                              "fused_ops", "engine_throughput"]
     assert "triton" in sections["env"]["backends"]
     assert sections["kernel_tests"]["returncode"] == 0
     assert sections["kernel_tests"]["collected"] > 0
-    for name in ("decode_bandwidth", "prefill_tflops"):
+    for name in ("decode_bandwidth", "prefill_tflops", "fused_ops"):
         points = {k: v for k, v in sections[name].items() if k != "wall_s"}
         assert points and all("error" not in p for p in points.values()), points
+    fused = sections["fused_ops"]
+    assert {"add_rms_norm_tiny_T4_float32", "rope_tiny_T4_float32"} <= set(fused)
+    assert "error" not in fused["rope_tiny_T4_float32"]["torch_compile"]  # dynamo traced it
     engine = sections["engine_throughput"]
     # The engine may not exist yet; then its import error is recorded, nothing else breaks.
     assert engine.get("engine_importable") or "ModuleNotFoundError" in engine["error"]

@@ -3,9 +3,14 @@
     store_kv.py                K/V of new tokens -> cache slots (slot_mapping)
     paged_decode_attention.py  one query per sequence over its block table (+ split-K)
     prefill_attention.py       varlen chunks over their cached prefix, causal over themselves
+    rms_norm.py                residual add + RMSNorm, fused (`add_rms_norm`)
+    rotary.py                  RoPE in place on the Q/K heads of a qkv row (`rotary_embedding`)
 
-Each kernel's torch reference lives in `engine.attention.torch_backend` (one way to do each
-thing) and `tests/test_kernels.py` holds the two against each other.
+The attention kernels' torch references live in `engine.attention.torch_backend` (one way to
+do each thing) and `tests/test_kernels.py` holds the two against each other. The fused
+elementwise ops are checked against the model's own eager math (`engine.llama`), through
+thin reference wrappers beside each kernel, in `tests/test_kernels_fused.py`; the two
+launchers are importable from this package.
 
 This module owns what the launchers share: the interpreter switch, argument checks that
 turn bad input into a clear ValueError before anything is launched, and the one place a
@@ -182,3 +187,9 @@ def paged_offsets(
     row = paged_row_offsets(block_id, pos, head, stride_block, stride_slot, stride_head,
                             BLOCK_SIZE)
     return row[:, None] + offs_d[None, :]
+
+
+# Last: these modules import the helpers above. (The attention launchers are imported from
+# their modules by the triton backend; these two have no caller yet.) `X as X`: a re-export.
+from engine.kernels.rms_norm import add_rms_norm as add_rms_norm  # noqa: E402
+from engine.kernels.rotary import rotary_embedding as rotary_embedding  # noqa: E402
