@@ -19,7 +19,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # the token budget of one step
     max_num_seqs: int = 256
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: all usable cores
     show_progress: bool = True

@@ -22,8 +22,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step; longer prompts are chunked")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="most sequences in the running batch")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: triton on CUDA, torch on CPU")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "cpu", "triton"],
+                   help="auto: triton on CUDA, cpu (C kernel) on CPU, torch if it cannot "
+                        "be built")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the cores this process may run on)")

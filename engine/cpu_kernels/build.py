@@ -1,0 +1,97 @@
+"""Compiling the C kernels into a shared library, once per source, compiler and CPU.
+
+The library lands in a cache directory (env PDSERVE_KERNEL_CACHE, else
+$XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve) under a name keyed by everything that
+changes the binary, so a stale or foreign build is never loaded. `python -m
+engine.cpu_kernels.build` builds it ahead of time (the Makefile does, so the first server
+start does not compile).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+SOURCE = pathlib.Path(__file__).with_name("paged_decode.c")
+# -ffast-math lets gcc vectorise the float reductions (dot products, sums) and exp2f;
+# -fopenmp resolves to the libgomp torch has already loaded (same soname), so the kernel
+# shares torch's thread pool instead of starting a second one on the same cores.
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
+          "-fPIC", "-shared", "-std=c11")
+LIBS = ("-lm",)
+
+
+class KernelBuildError(RuntimeError):
+    """No compiler, or the compiler rejected the source."""
+
+
+def cache_dir() -> pathlib.Path:
+    if os.environ.get("PDSERVE_KERNEL_CACHE"):
+        return pathlib.Path(os.environ["PDSERVE_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "pdserve"
+
+
+def compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise KernelBuildError("no C compiler found (install gcc or set CC)")
+    return cc
+
+
+def _cpu_features() -> str:
+    # -march=native bakes in this CPU's instruction set: a cache shared with a different
+    # CPU (a network home, an image built elsewhere) must not hand it this binary.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(cc: str | None = None) -> pathlib.Path:
+    cc = cc or compiler()
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(CFLAGS + LIBS).encode(),
+                 platform.machine().encode(), _cpu_features().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return cache_dir() / f"paged_decode-{h.hexdigest()[:16]}.so"
+
+
+def build() -> pathlib.Path:
+    """The library's path, compiling it first when the cache lacks it."""
+    cc = compiler()
+    out = library_path(cc)
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # compile to a private name and rename: processes starting together each build and
+    # the last rename wins, and nobody ever loads a half-written file
+    fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS],
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise KernelBuildError(f"{cc} failed to build {SOURCE.name}:\n{r.stderr.strip()}")
+        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache must be loadable
+        os.replace(tmp, out)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"could not build {SOURCE.name} with {cc}: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+if __name__ == "__main__":
+    print(build())

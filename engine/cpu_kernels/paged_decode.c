@@ -1,0 +1,406 @@
+/* Paged decode attention on the CPU: one query token per sequence attends to its whole
+ * cached context, reading K/V rows in place through the block table (no gather).
+ *
+ * Layouts (all row-major, elements of D contiguous):
+ *   query        [B, Hq, D]    batch stride q_stride_b (elements), heads packed
+ *   k/v cache    [num_blocks, block_size, Hkv, D]  contiguous
+ *   block_tables [B, max_blocks] int32, row stride bt_stride
+ *   seq_lens     [B] int32
+ *   out          [B, Hq, D]    contiguous, in the query's dtype
+ * dtype codes: 0 = float32, 1 = bfloat16 (the upper half of a float32).
+ *
+ * Work item = (sequence, some KV heads): each KV head's G = Hq / Hkv query heads are
+ * processed together so every K/V row is read from memory once (the other query heads
+ * re-read it from L1). Keys are taken a tile at a time: score the tile for all G heads,
+ * update the online softmax (float32), then accumulate the tile's values. The launcher (paged_decode.py) checks
+ * shapes and dtypes and calls pd_validate before pd_decode, so pd_decode trusts its
+ * arguments.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define DT_F32 0
+#define DT_BF16 1
+#define TILE 32 /* keys per tile: its rows (<= 32 KiB at D=128) stay in L1 across heads */
+#define PREFETCH_BYTES 16384 /* of the next block's K (and as much V), ahead of use */
+#define INLINE static inline __attribute__((always_inline))
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it a NaN after truncation */
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+struct args {
+    const void *q, *k, *v;
+    const int32_t *tables, *lens;
+    void *out;
+    int64_t q_stride_b, bt_stride;
+    int B, Hq, Hkv, D, bs, q_dt, kv_dt;
+    float scale;
+    int hg; /* KV heads per work item, a divisor of Hkv */
+};
+
+/* Per-thread scratch, in floats: q and acc [hg*G*D], scores [G*TILE], m, l, corr [hg*G],
+ * and two rows for widening bf16 in the portable path. */
+static size_t scratch_floats(const struct args *a)
+{
+    size_t G = (size_t)(a->Hq / a->Hkv), HG = (size_t)a->hg;
+    return 2 * HG * G * a->D + G * TILE + 3 * HG * G + 2 * (size_t)a->D;
+}
+
+/* ---- portable tile steps: any D, any dtype; gcc vectorises the D loops ---- */
+
+/* Row r of a tile as float32: the cache itself when it is float32, else widened into buf. */
+static inline const float *row_f32(const void *row, int D, int dt, float *buf)
+{
+    if (dt == DT_F32)
+        return (const float *)row;
+    for (int d = 0; d < D; d++)
+        buf[d] = bf16_to_f32(((const uint16_t *)row)[d]);
+    return buf;
+}
+
+INLINE void score_tile_c(const float *qf, const void *const *krows, int nt, int G, int D,
+                         int dt, float *s, float *buf)
+{
+    for (int t = 0; t < nt; t++) {
+        const float *kr = row_f32(krows[t], D, dt, buf);
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + g * D;
+            float x = 0.f;
+            for (int d = 0; d < D; d++)
+                x += qg[d] * kr[d];
+            s[g * TILE + t] = x;
+        }
+    }
+}
+
+INLINE void accum_tile_c(float *acc, const float *corr, const void *const *vrows, int nt,
+                         int G, int D, int dt, const float *s, float *buf)
+{
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++)
+            acc[g * D + d] *= corr[g];
+    for (int t = 0; t < nt; t++) {
+        const float *vr = row_f32(vrows[t], D, dt, buf);
+        for (int g = 0; g < G; g++) {
+            const float p = s[g * TILE + t];
+            float *restrict ag = acc + g * D;
+            for (int d = 0; d < D; d++)
+                ag[d] += p * vr[d];
+        }
+    }
+}
+
+/* ---- AVX-512 tile steps: D = 16 * NV with NV a compile-time constant ---- */
+#ifdef __AVX512F__
+#define MAX_NV 8 /* fixed-size arrays (not VLAs) so a head's vectors live in registers */
+
+INLINE __m512 load16(const void *row, int i, const int dt)
+{
+    if (dt == DT_F32)
+        return _mm512_loadu_ps((const float *)row + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Lane j of the result = the sum of p[j]'s 16 lanes. Summing 16 vectors together with
+ * unpacks and lane shuffles takes ~45 instructions where 16 separate horizontal sums take
+ * ~150; the per-key reductions were the kernel's largest cost. */
+INLINE __m512 reduce16(const __m512 *p)
+{
+    __m512 r[8], w[4];
+    for (int i = 0; i < 8; i++) /* lanes: [a0+a2, b0+b2, a1+a3, b1+b3] per 128 bits */
+        r[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                             _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* [k0, k1, k2, k3] partial sums per 128 bits */
+        __m512d c = _mm512_castps_pd(r[2 * i]), d = _mm512_castps_pd(r[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    /* then across the four 128-bit lanes: 0x88 takes lanes 0,2 and 0xDD lanes 1,3 */
+    __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                              _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88),
+                              _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+INLINE void score_tile_simd(const float *qf, const void *const *krows, int nt, int G,
+                            const int NV, const int dt, float *s)
+{
+    for (int g = 0; g < G; g++) {
+        __m512 qv[MAX_NV];
+        for (int v = 0; v < NV; v++)
+            qv[v] = _mm512_loadu_ps(qf + g * NV * 16 + v * 16);
+        for (int c = 0; c < nt; c += 16) {
+            __m512 p[16];
+            for (int j = 0; j < 16; j++) {
+                p[j] = _mm512_setzero_ps();
+                if (c + j < nt)
+                    for (int v = 0; v < NV; v++)
+                        p[j] = _mm512_fmadd_ps(qv[v], load16(krows[c + j], v * 16, dt), p[j]);
+            }
+            _mm512_storeu_ps(s + g * TILE + c, reduce16(p));
+        }
+    }
+}
+
+INLINE void accum_tile_simd(float *acc, const float *corr, const void *const *vrows, int nt,
+                            int G, const int NV, const int dt, const float *s)
+{
+    for (int g = 0; g < G; g++) {
+        float *ag = acc + g * NV * 16;
+        const float *sg = s + g * TILE;
+        /* two accumulator sets: consecutive keys do not wait on each other's FMA */
+        __m512 a0[MAX_NV], a1[MAX_NV];
+        const __m512 cv = _mm512_set1_ps(corr[g]);
+        for (int v = 0; v < NV; v++) {
+            a0[v] = _mm512_mul_ps(_mm512_loadu_ps(ag + v * 16), cv);
+            a1[v] = _mm512_setzero_ps();
+        }
+        int t = 0;
+        for (; t + 1 < nt; t += 2) {
+            const __m512 p0 = _mm512_set1_ps(sg[t]), p1 = _mm512_set1_ps(sg[t + 1]);
+            for (int v = 0; v < NV; v++) {
+                a0[v] = _mm512_fmadd_ps(p0, load16(vrows[t], v * 16, dt), a0[v]);
+                a1[v] = _mm512_fmadd_ps(p1, load16(vrows[t + 1], v * 16, dt), a1[v]);
+            }
+        }
+        if (t < nt) {
+            const __m512 p0 = _mm512_set1_ps(sg[t]);
+            for (int v = 0; v < NV; v++)
+                a0[v] = _mm512_fmadd_ps(p0, load16(vrows[t], v * 16, dt), a0[v]);
+        }
+        for (int v = 0; v < NV; v++)
+            _mm512_storeu_ps(ag + v * 16, _mm512_add_ps(a0[v], a1[v]));
+    }
+}
+#endif /* __AVX512F__ */
+
+/* Turns a tile's scores into probabilities against the running max; corr[g] is what the
+ * accumulator so far must be scaled by. */
+static inline void softmax_tile(float *s, int nt, int G, int first, float *m, float *l,
+                                float *corr)
+{
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * TILE;
+        float mx = first ? sg[0] : m[g];
+        for (int t = 0; t < nt; t++)
+            mx = sg[t] > mx ? sg[t] : mx;
+        /* no -inf sentinel for an empty history: -ffast-math assumes finite values */
+        corr[g] = first ? 0.f : exp2f(m[g] - mx);
+        float sum = 0.f;
+        for (int t = 0; t < nt; t++) {
+            sg[t] = exp2f(sg[t] - mx);
+            sum += sg[t];
+        }
+        l[g] = l[g] * corr[g] + sum;
+        m[g] = mx;
+    }
+}
+
+/* One work item: sequence b, KV heads [h0, h0 + a->hg). Block by block, each head's tile
+ * is scored, softmaxed and accumulated. With all heads in one item the block's rows form
+ * one contiguous run, prefetched whole while the previous block is computed; per-head items
+ * read rows strided by Hkv * D from scattered blocks and measured ~20% slower.
+ * Inlined into one copy per (head_dim, dtype) pair below: constants let the compiler keep
+ * a head's accumulators in registers and drop the dtype branches. NV > 0 selects the
+ * AVX-512 steps for D = 16 * NV; NV = 0 the portable ones for any D. */
+INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, const int D,
+                        const int NV, const int dt)
+{
+    (void)NV; /* only the AVX-512 build reads it */
+    const int G = a->Hq / a->Hkv, HG = a->hg, Hkv = a->Hkv, bs = a->bs;
+    const size_t esize = dt == DT_F32 ? 4 : 2, row_stride = (size_t)Hkv * D * esize;
+    const size_t run = (size_t)HG * D * esize; /* bytes of one token's rows for our heads */
+    float *qf = scratch, *acc = qf + HG * G * D, *s = acc + HG * G * D, *m = s + G * TILE;
+    float *l = m + HG * G, *corr = l + HG * G, *kbuf = corr + HG * G, *vbuf = kbuf + D;
+    const void *krows[TILE], *vrows[TILE];
+    /* exp2 of log2(e)-scaled scores: one multiply folded into q instead of one per key */
+    const float qscale = a->scale * 1.4426950408889634f;
+    const int64_t q0 = (int64_t)b * a->q_stride_b + (int64_t)h0 * G * D;
+
+    for (int i = 0; i < HG * G * D; i++) {
+        float x = a->q_dt == DT_F32 ? ((const float *)a->q)[q0 + i]
+                                    : bf16_to_f32(((const uint16_t *)a->q)[q0 + i]);
+        qf[i] = x * qscale;
+        acc[i] = 0.f;
+    }
+    for (int i = 0; i < HG * G; i++)
+        l[i] = 0.f;
+
+    const int32_t *table = a->tables + (int64_t)b * a->bt_stride;
+    const int len = a->lens[b];
+    int first = 1;
+    for (int start = 0; start < len; start += bs) {
+        const int n = len - start < bs ? len - start : bs;
+        /* token 0 of this block for KV head h0; token t is t * row_stride further */
+        const size_t off = (((size_t)table[start / bs] * bs) * Hkv + h0) * D * esize;
+        if (start + bs < len) {
+            /* the next block is elsewhere in memory (the hardware prefetchers cannot guess
+             * where): ask for it now, at most PREFETCH_BYTES so big blocks do not evict the
+             * current one */
+            const size_t next = (((size_t)table[start / bs + 1] * bs) * Hkv + h0) * D * esize;
+            const int nn = len - start - bs < bs ? len - start - bs : bs;
+            const int cap = PREFETCH_BYTES / run > 0 ? (int)(PREFETCH_BYTES / run) : 1;
+            for (int t = 0; t < (nn < cap ? nn : cap); t++)
+                for (size_t c = 0; c < run; c += 64) {
+                    __builtin_prefetch((const char *)a->k + next + t * row_stride + c);
+                    __builtin_prefetch((const char *)a->v + next + t * row_stride + c);
+                }
+        }
+        for (int t0 = 0; t0 < n; t0 += TILE) {
+            const int nt = n - t0 < TILE ? n - t0 : TILE;
+            for (int hl = 0; hl < HG; hl++) {
+                const char *kb = (const char *)a->k + off + hl * D * esize;
+                const char *vb = (const char *)a->v + off + hl * D * esize;
+                for (int t = 0; t < nt; t++) {
+                    krows[t] = kb + (t0 + t) * row_stride;
+                    vrows[t] = vb + (t0 + t) * row_stride;
+                }
+                const float *qh = qf + hl * G * D;
+                float *ah = acc + hl * G * D, *mh = m + hl * G, *lh = l + hl * G;
+                float *ch = corr + hl * G;
+#ifdef __AVX512F__
+                if (NV) {
+                    score_tile_simd(qh, krows, nt, G, NV, dt, s);
+                    softmax_tile(s, nt, G, first, mh, lh, ch);
+                    accum_tile_simd(ah, ch, vrows, nt, G, NV, dt, s);
+                } else
+#endif
+                {
+                    score_tile_c(qh, krows, nt, G, D, dt, s, kbuf);
+                    softmax_tile(s, nt, G, first, mh, lh, ch);
+                    accum_tile_c(ah, ch, vrows, nt, G, D, dt, s, vbuf);
+                }
+            }
+            first = 0;
+        }
+    }
+
+    const int64_t o0 = ((int64_t)b * a->Hq + (int64_t)h0 * G) * D;
+    for (int i = 0; i < HG * G; i++) {
+        const float inv = 1.f / l[i];
+        const float *ai = acc + i * D;
+        if (a->q_dt == DT_F32) {
+            float *o = (float *)a->out + o0 + (int64_t)i * D;
+            for (int d = 0; d < D; d++)
+                o[d] = ai[d] * inv;
+        } else {
+            uint16_t *o = (uint16_t *)a->out + o0 + (int64_t)i * D;
+            for (int d = 0; d < D; d++)
+                o[d] = f32_to_bf16(ai[d] * inv);
+        }
+    }
+}
+
+typedef void (*item_fn)(const struct args *, int, int, float *);
+#define ITEM(name, D, NV, DT)                                                                \
+    static void name(const struct args *a, int b, int h0, float *s)                        \
+    {                                                                                       \
+        decode_item(a, b, h0, s, D, NV, DT);                                                \
+    }
+#ifdef __AVX512F__
+ITEM(item_d64_f32, 64, 4, DT_F32)
+ITEM(item_d64_bf16, 64, 4, DT_BF16)
+ITEM(item_d128_f32, 128, 8, DT_F32)
+ITEM(item_d128_bf16, 128, 8, DT_BF16)
+#endif
+ITEM(item_any_f32, a->D, 0, DT_F32)
+ITEM(item_any_bf16, a->D, 0, DT_BF16)
+
+static item_fn pick_item(int D, int kv_dt)
+{
+    (void)D; /* only the AVX-512 build has per-D copies */
+#ifdef __AVX512F__
+    if (D == 64)
+        return kv_dt == DT_F32 ? item_d64_f32 : item_d64_bf16;
+    if (D == 128)
+        return kv_dt == DT_F32 ? item_d128_f32 : item_d128_bf16;
+#endif
+    return kv_dt == DT_F32 ? item_any_f32 : item_any_bf16;
+}
+
+/* 0 when every sequence's length is in [1, max_blocks * block_size] and every block it
+ * uses is in [0, num_blocks). Otherwise 1 (bad length) or 2 (bad block id), with the
+ * sequence in *bad_row and the offending value in *bad_value. */
+int pd_validate(const int32_t *lens, const int32_t *tables, int64_t bt_stride, int B,
+                int max_blocks, int block_size, int64_t num_blocks, int *bad_row,
+                int64_t *bad_value)
+{
+    for (int b = 0; b < B; b++) {
+        const int64_t len = lens[b];
+        if (len < 1 || len > (int64_t)max_blocks * block_size) {
+            *bad_row = b;
+            *bad_value = len;
+            return 1;
+        }
+        const int32_t *row = tables + (int64_t)b * bt_stride;
+        for (int64_t i = 0; i < (len + block_size - 1) / block_size; i++) {
+            if (row[i] < 0 || row[i] >= num_blocks) {
+                *bad_row = b;
+                *bad_value = row[i];
+                return 2;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int pd_decode(const void *q, int64_t q_stride_b, const void *k, const void *v,
+              const int32_t *tables, int64_t bt_stride, const int32_t *lens, void *out, int B,
+              int Hq, int Hkv, int D, int block_size, float scale, int q_dt, int kv_dt,
+              int num_threads)
+{
+    if (num_threads < 1)
+        num_threads = 1;
+    /* A work item takes all KV heads of a sequence (contiguous reads) unless that leaves
+     * too few items to keep every thread busy; then one head each. */
+    const int hg = B >= 4 * num_threads ? Hkv : 1;
+    const struct args a = {q, k, v, tables, lens, out, q_stride_b, bt_stride,
+                           B, Hq, Hkv, D, block_size, q_dt, kv_dt, scale, hg};
+    const item_fn item = pick_item(D, kv_dt);
+    const int per_seq = Hkv / hg, items = B * per_seq;
+    int next = 0, failed = 0;
+    if (num_threads > items)
+        num_threads = items;
+    /* Dynamic claiming: sequences differ in length, so a static split would leave a
+     * thread idle while another finishes the long ones. */
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(scratch_floats(&a) * sizeof(float));
+        if (!scratch) {
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        } else {
+            for (;;) {
+                const int i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+                if (i >= items)
+                    break;
+                item(&a, i / per_seq, (i % per_seq) * hg, scratch);
+            }
+            free(scratch);
+        }
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,143 @@
+"""The Python side of paged_decode.c: loading it, checking inputs, calling it.
+
+Every argument is checked before the kernel runs (here, or for per-sequence lengths and
+block ids by the library's own `pd_validate` pass, which reads only the int32 tables) so
+that the kernel never reads outside the tensors it is given.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from engine.cpu_kernels.build import KernelBuildError, build
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM = 256
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: KernelBuildError | None = None
+
+
+def load() -> ctypes.CDLL:
+    """The compiled library (built on first use); raises KernelBuildError when it cannot be
+    built or loaded, and keeps raising the same error without retrying."""
+    global _lib, _error
+    if _lib is not None:  # every layer of every step comes here
+        return _lib
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                lib = ctypes.CDLL(str(build()))
+            except OSError as e:
+                _error = KernelBuildError(f"could not load the paged decode kernel: {e}")
+            except KernelBuildError as e:
+                _error = e
+            else:
+                _declare(lib)
+                _lib = lib
+        if _error is not None:
+            raise _error
+        return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.pd_validate.argtypes = [p, p, i64, i32, i32, i32, i64, ctypes.POINTER(i32),
+                                ctypes.POINTER(i64)]
+    lib.pd_validate.restype = i32
+    lib.pd_decode.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32,
+                              ctypes.c_float, i32, i32, i32]
+    lib.pd_decode.restype = i32
+
+
+def _shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out):
+    """Why these tensors cannot be passed to the kernel, or None. Conditions first and
+    messages only on failure: this runs for every layer of every step."""
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("seq_lens", seq_lens), ("block_tables", block_tables), ("out", out)):
+        if t is not None and t.device.type != "cpu":
+            return f"{name} must be on the CPU, got {t.device}"
+    if query.dim() != 3:
+        return f"query must be [B, Hq, D], got shape {tuple(query.shape)}"
+    if query.dtype not in _DTYPES:
+        return f"query dtype must be float32 or bfloat16, got {query.dtype}"
+    if k_cache.dim() != 4:
+        return f"k_cache must be [N, block_size, Hkv, D], got shape {tuple(k_cache.shape)}"
+    if k_cache.dtype not in _DTYPES:
+        return f"k_cache dtype must be float32 or bfloat16, got {k_cache.dtype}"
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        return (f"v_cache must match k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}), got "
+                f"{tuple(v_cache.shape)}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "k_cache and v_cache must be contiguous"
+    b, hq, d = query.shape
+    hkv, dk = k_cache.shape[2:]
+    if dk != d:
+        return f"query head_dim {d} != k_cache head_dim {dk}"
+    if not 0 < d <= MAX_HEAD_DIM:
+        return f"head_dim must be in 1..{MAX_HEAD_DIM}, got {d}"
+    if hkv == 0 or hq % hkv:
+        return f"query heads ({hq}) must be a multiple of k_cache KV heads ({hkv})"
+    qs = query.stride()
+    if (d > 1 and qs[2] != 1) or (hq > 1 and qs[1] != d):
+        return f"query must have contiguous heads and dims, got strides {qs}"
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (b,) or not seq_lens.is_contiguous():
+        return (f"seq_lens must be a contiguous int32 [{b}], got {seq_lens.dtype} "
+                f"{tuple(seq_lens.shape)}")
+    if (block_tables.dtype != torch.int32 or block_tables.dim() != 2
+            or block_tables.shape[0] != b
+            or (block_tables.shape[1] > 1 and block_tables.stride(1) != 1)):
+        return (f"block_tables must be int32 [{b}, max_blocks] with contiguous rows, got "
+                f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if out is not None and (out.shape != (b, hq, d) or out.dtype != query.dtype
+                            or not out.is_contiguous()):
+        return (f"out must be a contiguous {query.dtype} [{b}, {hq}, {d}], got {out.dtype} "
+                f"{tuple(out.shape)}")
+    return None
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, Hq, D]; heads and dims packed, any batch stride
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, Hq, D] contiguous, query's dtype
+) -> torch.Tensor:
+    """softmax(scale * q·K[:seq_len]) · V[:seq_len] per sequence and query head; query head
+    h reads KV head h // (Hq // Hkv). Returns `out` (allocated when not given)."""
+    lib = load()
+    err = _shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out)
+    if err:
+        raise ValueError(err)
+    b, hq, d = query.shape
+    num_blocks, block_size, hkv = k_cache.shape[:3]
+    if out is None:
+        out = torch.empty((b, hq, d), dtype=query.dtype)
+    if b == 0:
+        return out
+
+    row, value = ctypes.c_int(), ctypes.c_int64()
+    bad = lib.pd_validate(seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                          b, block_tables.shape[1], block_size, num_blocks,
+                          ctypes.byref(row), ctypes.byref(value))
+    if bad == 1:
+        raise ValueError(f"seq_lens[{row.value}] = {value.value} must be in 1.."
+                         f"{block_tables.shape[1] * block_size} (max_blocks * block_size)")
+    if bad == 2:
+        raise ValueError(f"block_tables row {row.value} uses block id {value.value}, outside "
+                         f"the cache's 0..{num_blocks - 1}")
+
+    rc = lib.pd_decode(query.data_ptr(), query.stride(0), k_cache.data_ptr(),
+                       v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                       seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, block_size,
+                       float(scale), _DTYPES[query.dtype], _DTYPES[k_cache.dtype],
+                       torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("paged decode kernel could not allocate its scratch memory")
+    return out
