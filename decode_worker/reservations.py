@@ -27,6 +27,7 @@ from engine.async_engine import AsyncEngine
 from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from kvtransfer.blocks import copy_blocks
 from kvtransfer.sink import KVCommitInfo
 
 log = logging.getLogger("pdserve.decode")
@@ -104,10 +105,9 @@ class ReservationTable:
         e = self._open.get(reservation_id)
         if e is None or e.committed:
             raise KeyError(reservation_id)
-        phys = torch.tensor([e.block_ids[i] for i in block_indices], dtype=torch.long,
-                            device=self._kv.data.device)
-        self._kv.data[layer, 0].index_copy_(0, phys, k.to(self._kv.data.device))
-        self._kv.data[layer, 1].index_copy_(0, phys, v.to(self._kv.data.device))
+        phys = [e.block_ids[i] for i in block_indices]
+        copy_blocks(self._kv.data[layer, 0], phys, k)
+        copy_blocks(self._kv.data[layer, 1], phys, v)
 
     def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None:
         e = self._open[reservation_id]

@@ -4,12 +4,15 @@ The layout being moved is `engine.kv_cache.KVCacheSpec`'s: per layer, K and V of
 `[num_blocks, block_size, kv_heads, head_dim]`. A transfer fills one reservation that the
 decode worker made before any prefill work began.
 
-- `wire`: the chunk format (header + raw K then V bytes + CRC32) and its validation.
+- `wire`: the chunk format (header + raw K then V bytes + CRC32), its validation, and the
+  copy-free (de)serialization of chunk messages used on both ends.
 - `sink`: `KVSink`, what the decode engine implements to receive KV, and `KVCommitInfo`.
+- `blocks`: copying whole blocks out of / into a layer's K or V tensor (sender, sinks).
 - `memory_sink`: `InMemoryKVSink`, a real sink over a `PagedKVCache` (tests, warm-up).
 - `receiver`: `KVTransferService`, the `KVTransfer.Push` servicer hosted by decode workers.
 - `transport`: the sender interface prefill workers use (`KVTransport`, `KVPushStream`).
 - `grpc_sender`: `GrpcKVTransport`, the gRPC streaming implementation of it.
+- `malloc_tuning`: keeps glibc from returning message buffers to the kernel per chunk.
 """
 
 from kvtransfer.sink import KVCommitInfo, KVSink

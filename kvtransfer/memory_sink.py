@@ -15,6 +15,7 @@ from collections import deque
 import torch
 
 from engine.kv_cache import KVCacheSpec, PagedKVCache
+from kvtransfer.blocks import copy_blocks
 from kvtransfer.sink import KVCommitInfo
 
 
@@ -75,10 +76,9 @@ class InMemoryKVSink:
     ) -> None:
         with self._lock:
             table = self._open[reservation_id]
-            phys = torch.tensor([table[i] for i in block_indices], device=self.cache.data.device)
-            # k, v: [n, block_size, kv_heads, head_dim] -> blocks phys of this layer
-            self.cache.key(layer)[phys] = k.to(self.cache.data.device)
-            self.cache.value(layer)[phys] = v.to(self.cache.data.device)
+            phys = [table[i] for i in block_indices]
+            copy_blocks(self.cache.key(layer), phys, k)
+            copy_blocks(self.cache.value(layer), phys, v)
 
     def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None:
         with self._lock:

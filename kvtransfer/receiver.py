@@ -18,6 +18,11 @@ Statuses: NOT_FOUND (unknown, expired or already finished reservation), INVALID_
 (another stream feeds the same reservation; that one is left alone), CANCELLED (the sender
 sent KVAbort), INTERNAL (the sink failed). A chunk is never written before it has passed
 validation, so bad bytes never reach the cache.
+
+Messages reach `Push` already split by `kvtransfer.wire.parse_message` (registered as the
+method's deserializer in `add_to_server`): the chunk header parsed, the payload a view into
+the bytes gRPC received. From there to the cache the payload is read twice (CRC32, the
+copy into the cache) and copied once.
 """
 
 from __future__ import annotations
@@ -30,8 +35,15 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from kvtransfer.malloc_tuning import keep_freed_memory
 from kvtransfer.sink import KVSink
-from kvtransfer.wire import KVChunkError, commit_from_proto, decode_chunk
+from kvtransfer.wire import (
+    KVChunkError,
+    WireMessage,
+    commit_from_proto,
+    decode_chunk,
+    parse_message,
+)
 from protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
     def __init__(self, sink: KVSink) -> None:
         self._sink = sink
         self._spec = sink.kv_spec
+        keep_freed_memory()
         self._active: set[str] = set()  # reservations with a live Push stream
         # counters for metrics
         self.num_committed = 0
@@ -70,10 +83,18 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
         self.bytes_received = 0
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(self, server)
+        """Registers `Push` with `kvtransfer.wire.parse_message` as its request
+        deserializer instead of the generated `KVMessage.FromString`, so chunk payloads
+        are read in place rather than copied out of a parsed message."""
+        service = kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+        push = grpc.stream_unary_rpc_method_handler(
+            self.Push, request_deserializer=parse_message,
+            response_serializer=kvtransfer_pb2.PushAck.SerializeToString)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {"Push": push}),))
 
     async def Push(
-        self, request_iterator: AsyncIterator[kvtransfer_pb2.KVMessage],
+        self, request_iterator: AsyncIterator[WireMessage],
         context: grpc.aio.ServicerContext,
     ) -> kvtransfer_pb2.PushAck:
         state: list[_Transfer] = []  # the stream's transfer once its first message arrived
@@ -101,13 +122,12 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
         raise AssertionError("unreachable: context.abort raises")
 
     async def _serve(
-        self, request_iterator: AsyncIterator[kvtransfer_pb2.KVMessage], state: list[_Transfer]
+        self, request_iterator: AsyncIterator[WireMessage], state: list[_Transfer]
     ) -> kvtransfer_pb2.PushAck:
         async for msg in request_iterator:
-            kind = msg.WhichOneof("msg")
-            if kind is None:
-                raise KVChunkError("msg", "empty KVMessage")
-            body = getattr(msg, kind)
+            kind, body = msg.kind, msg.body
+            if kind is None or body is None:
+                raise KVChunkError("msg", msg.error or "empty KVMessage")
             if not state:
                 state.append(self._open(body.reservation_id))
             transfer = state[0]
@@ -118,7 +138,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                 )
             self._check_open(transfer)
             if kind == "chunk":
-                self._write(transfer, body)
+                self._write(transfer, body, msg.payload)
             elif kind == "commit":
                 return self._commit(transfer, body)
             else:  # abort
@@ -147,10 +167,11 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                           f"reservation {transfer.reservation_id!r} expired during the push",
                           abort_reservation=True)
 
-    def _write(self, transfer: _Transfer, chunk: kvtransfer_pb2.KVChunk) -> None:
+    def _write(self, transfer: _Transfer, chunk: kvtransfer_pb2.KVChunk,
+               payload: memoryview | bytes) -> None:
         if chunk.seq != transfer.num_chunks:
             raise KVChunkError("seq", f"{chunk.seq}, expected {transfer.num_chunks}")
-        decoded = decode_chunk(chunk, self._spec, transfer.num_blocks)
+        decoded = decode_chunk(chunk, self._spec, transfer.num_blocks, payload)
         row = transfer.received[decoded.layer]
         already = [i for i in decoded.block_indices if row[i]]
         if already:

@@ -9,6 +9,20 @@ A layer's blocks are split into chunks of at most `max_chunk_bytes` of payload (
 one block per chunk). Decoding never unpickles anything: the payload is reinterpreted as
 the spec's dtype with `torch.frombuffer` after every header field has been checked against
 the receiver's `KVCacheSpec` and the reservation's size.
+
+The bytes on the wire are plain protobuf (`KVMessage` of kvtransfer.proto), but the hot
+path does not build or parse the payload through protobuf objects, because every trip
+through them copies the payload (building a message copies it in, serializing copies it
+out, and each read of a parsed `bytes` field makes a fresh copy):
+
+- `encode_layer_messages` (the sender) serializes the small header with protobuf and
+  appends the payload field itself, copying the tensors once, straight into the message.
+  The result is byte-identical to `KVMessage(chunk=...).SerializeToString()`.
+- `parse_message` (the receiver's gRPC deserializer) walks the message's field tags and
+  lengths, parses everything but the payload with protobuf, and returns the payload as a
+  view into the received bytes. Any encoding it does not recognise as the plain one-chunk
+  layout (fields repeated, other fields alongside) goes through the full protobuf parser
+  instead, so every valid `KVMessage` is read with protobuf's own semantics.
 """
 
 from __future__ import annotations
@@ -19,12 +33,20 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from google.protobuf.message import DecodeError
 
 from engine.kv_cache import KVCacheSpec, dtype_name
 from kvtransfer.sink import KVCommitInfo
 from protos.pdserve.v1 import common_pb2, kvtransfer_pb2
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
+
+# protobuf keys (field number << 3 | wire type 2, length-delimited) of the two fields the
+# fast paths write and look for: KVMessage.chunk and KVChunk.payload
+_CHUNK_KEY = 1 << 3 | 2
+_PAYLOAD_KEY = 8 << 3 | 2
+assert kvtransfer_pb2.KVMessage.DESCRIPTOR.fields_by_name["chunk"].number == _CHUNK_KEY >> 3
+assert kvtransfer_pb2.KVChunk.DESCRIPTOR.fields_by_name["payload"].number == _PAYLOAD_KEY >> 3
 
 
 class KVChunkError(ValueError):
@@ -39,9 +61,32 @@ class KVChunkError(ValueError):
 class DecodedChunk:
     layer: int
     block_indices: list[int]
-    k: torch.Tensor  # [n, block_size, kv_heads, head_dim], writable, CPU
+    k: torch.Tensor  # [n, block_size, kv_heads, head_dim], a read-only view, CPU
     v: torch.Tensor  # same
     num_bytes: int  # payload bytes
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """One chunk, serialized as a whole `KVMessage`, ready for the wire."""
+
+    data: bytes
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class WireMessage:
+    """One received `KVMessage`, as `parse_message` returns it.
+
+    kind is "chunk", "commit" or "abort", or None when the bytes are not a KVMessage with
+    one of them set (`error` says why). For a chunk, `body` is its header: its own payload
+    field is empty and the payload is `payload`, a view into the received bytes.
+    """
+
+    kind: str | None
+    body: kvtransfer_pb2.KVChunk | kvtransfer_pb2.KVCommit | kvtransfer_pb2.KVAbort | None
+    payload: memoryview | bytes = b""
+    error: str = ""
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -56,20 +101,11 @@ def blocks_per_chunk(block_bytes: int, max_chunk_bytes: int) -> int:
     return max(1, max_chunk_bytes // (2 * block_bytes))
 
 
-def encode_layer(
-    reservation_id: str,
-    layer: int,
-    block_indices: Sequence[int],
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    first_seq: int = 0,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-) -> Iterator[kvtransfer_pb2.KVChunk]:
-    """Yields the chunks of one layer's blocks, numbered first_seq, first_seq + 1, ...
-
-    k, v: [n, block_size, kv_heads, head_dim], same shape and dtype, any device.
-    """
+def _layer_parts(
+    reservation_id: str, layer: int, block_indices: Sequence[int], k: torch.Tensor,
+    v: torch.Tensor, first_seq: int, max_chunk_bytes: int,
+) -> Iterator[tuple[kvtransfer_pb2.KVChunk, memoryview, memoryview]]:
+    """(header with crc32 but no payload, K bytes, V bytes) of each chunk of one layer."""
     if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(
             f"k and v must be 4-D of equal shape and dtype, got {tuple(k.shape)} {k.dtype} "
@@ -86,26 +122,165 @@ def encode_layer(
     step = blocks_per_chunk(block_bytes, max_chunk_bytes)
     for i, start in enumerate(range(0, n, step)):
         end = min(start + step, n)
-        payload = b"".join((_as_bytes(k[start:end]), _as_bytes(v[start:end])))
-        yield kvtransfer_pb2.KVChunk(
+        k_bytes, v_bytes = _as_bytes(k[start:end]), _as_bytes(v[start:end])
+        header = kvtransfer_pb2.KVChunk(
             reservation_id=reservation_id,
             layer=layer,
             block_indices=indices[start:end],
             dtype=dtype,
             shape=[end - start, *k.shape[1:]],
             seq=first_seq + i,
-            crc32=zlib.crc32(payload),
-            payload=payload,
+            crc32=zlib.crc32(v_bytes, zlib.crc32(k_bytes)),  # = crc32 of K then V
         )
+        yield header, k_bytes, v_bytes
+
+
+def encode_layer(
+    reservation_id: str,
+    layer: int,
+    block_indices: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    first_seq: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> Iterator[kvtransfer_pb2.KVChunk]:
+    """Yields the chunks of one layer's blocks as protobuf messages, numbered first_seq,
+    first_seq + 1, ... (for tools and tests; the sender uses `encode_layer_messages`).
+
+    k, v: [n, block_size, kv_heads, head_dim], same shape and dtype, any device.
+    """
+    for header, k_bytes, v_bytes in _layer_parts(
+        reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes
+    ):
+        header.payload = b"".join((k_bytes, v_bytes))
+        yield header
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_layer_messages(
+    reservation_id: str,
+    layer: int,
+    block_indices: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    first_seq: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> Iterator[EncodedChunk]:
+    """The chunks of `encode_layer`, each serialized as a `KVMessage` (the same bytes), with
+    the tensors copied once, straight into the message."""
+    for header, k_bytes, v_bytes in _layer_parts(
+        reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes
+    ):
+        head = header.SerializeToString()
+        size = k_bytes.nbytes + v_bytes.nbytes
+        # protobuf writes fields in number order, so the payload (field 8) goes last
+        payload_key = bytes((_PAYLOAD_KEY,)) + _varint_bytes(size)
+        body_len = len(head) + len(payload_key) + size
+        data = b"".join((bytes((_CHUNK_KEY,)), _varint_bytes(body_len), head, payload_key,
+                         k_bytes, v_bytes))
+        yield EncodedChunk(data, size)
+
+
+class _NotPlain(Exception):
+    """The message is not the plain one-chunk layout: parse it with protobuf instead."""
+
+
+def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise _NotPlain
+
+
+def _split_plain_chunk(raw: bytes) -> tuple[bytes, int, int]:
+    """(chunk header bytes without the payload field, payload start, payload end) of a
+    message that is exactly one `chunk` field whose payload field occurs exactly once."""
+    end = len(raw)
+    if end < 2 or raw[0] != _CHUNK_KEY:
+        raise _NotPlain
+    size, start = _read_varint(raw, 1, end)
+    if start + size != end:
+        raise _NotPlain  # other KVMessage fields follow the chunk
+    pos, span = start, None
+    while pos < end:
+        field_at = pos
+        key, pos = _read_varint(raw, pos, end)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(raw, pos, end)
+        elif wire_type == 2:
+            n, pos = _read_varint(raw, pos, end)
+            if key == _PAYLOAD_KEY:
+                if span is not None:
+                    raise _NotPlain
+                span = (field_at, pos, pos + n)
+            pos += n
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise _NotPlain
+    if pos != end or span is None:
+        raise _NotPlain
+    field_at, payload_start, payload_end = span
+    return raw[start:field_at] + raw[payload_end:end], payload_start, payload_end
+
+
+def parse_message(raw: bytes) -> WireMessage:
+    """The receiver's gRPC request deserializer: never raises (a message that does not
+    parse comes back with kind None and the reason, so the stream can be refused with
+    INVALID_ARGUMENT and its reservation freed)."""
+    try:
+        header, payload_start, payload_end = _split_plain_chunk(raw)
+    except _NotPlain:
+        pass
+    else:
+        try:
+            chunk = kvtransfer_pb2.KVChunk.FromString(header)
+        except DecodeError as e:
+            return WireMessage(None, None, error=f"malformed KVChunk: {e}")
+        return WireMessage("chunk", chunk, memoryview(raw)[payload_start:payload_end])
+    try:
+        msg = kvtransfer_pb2.KVMessage.FromString(raw)
+    except DecodeError as e:
+        return WireMessage(None, None, error=f"malformed KVMessage: {e}")
+    kind = msg.WhichOneof("msg")
+    if kind is None:
+        return WireMessage(None, None, error="empty KVMessage")
+    body = getattr(msg, kind)
+    if kind == "chunk":
+        payload = body.payload  # one read: each read of a bytes field copies it
+        body.ClearField("payload")
+        return WireMessage(kind, body, payload)
+    return WireMessage(kind, body)
 
 
 def decode_chunk(
-    chunk: kvtransfer_pb2.KVChunk, spec: KVCacheSpec, num_reserved_blocks: int
+    chunk: kvtransfer_pb2.KVChunk, spec: KVCacheSpec, num_reserved_blocks: int,
+    payload: memoryview | bytes | None = None,
 ) -> DecodedChunk:
     """Checks every header field and the payload, then returns the K and V tensors.
 
-    Raises KVChunkError naming the first field that is wrong. reservation_id and seq are
-    stream-level facts and are checked by the receiver.
+    payload: the chunk's payload when it was kept apart from the header (as
+    `parse_message` does); None to use `chunk.payload`. Raises KVChunkError naming the
+    first field that is wrong. reservation_id and seq are stream-level facts and are
+    checked by the receiver.
     """
     if not 0 <= chunk.layer < spec.num_layers:
         raise KVChunkError("layer", f"{chunk.layer} not in [0, {spec.num_layers})")
@@ -127,20 +302,21 @@ def decode_chunk(
         )
     if len(set(indices)) != n:
         raise KVChunkError("block_indices", f"duplicate indices in {indices[:16]}")
+    if payload is None:
+        payload = chunk.payload  # read once: each read of a bytes field copies it
+    size = len(payload) if isinstance(payload, bytes) else payload.nbytes
     expected = 2 * n * spec.block_bytes
-    if len(chunk.payload) != expected:
-        raise KVChunkError("payload", f"{len(chunk.payload)} bytes, expected {expected}")
-    if zlib.crc32(chunk.payload) != chunk.crc32:
+    if size != expected:
+        raise KVChunkError("payload", f"{size} bytes, expected {expected}")
+    if zlib.crc32(payload) != chunk.crc32:
         raise KVChunkError("crc32", "payload checksum mismatch")
     # A read-only view of the payload, no copy: the sink copies it into the cache (its
     # only use), so the warning about a non-writable buffer does not apply.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        kv = torch.frombuffer(chunk.payload, dtype=spec.torch_dtype)
+        kv = torch.frombuffer(payload, dtype=spec.torch_dtype)
     kv = kv.view(2, *shape)
-    return DecodedChunk(chunk.layer, indices, kv[0], kv[1], len(chunk.payload))
-
-
+    return DecodedChunk(chunk.layer, indices, kv[0], kv[1], size)
 def commit_to_proto(
     reservation_id: str, num_chunks: int, info: KVCommitInfo
 ) -> kvtransfer_pb2.KVCommit:

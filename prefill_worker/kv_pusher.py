@@ -16,6 +16,7 @@ import torch
 
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledSeq
+from kvtransfer.blocks import gather_blocks
 from kvtransfer.transport import KVPushStream
 
 
@@ -46,8 +47,10 @@ class KVPusher:
             if push is None:
                 continue
             blocks = s.seq.block_table[:push.num_blocks]
-            idx = torch.tensor(blocks, dtype=torch.long, device=self.kv.data.device)
-            # index_select copies: the stream owns these tensors from here on
-            k = self.kv.data[layer, 0].index_select(0, idx).cpu()
-            v = self.kv.data[layer, 1].index_select(0, idx).cpu()
+            k, v = self._copy_out(layer, blocks)
             push.stream.push_layer(layer, list(range(len(blocks))), k, v)
+
+    def _copy_out(self, layer: int, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of one layer's K and V blocks: the stream owns them from here on."""
+        return (gather_blocks(self.kv.data[layer, 0], blocks).cpu(),
+                gather_blocks(self.kv.data[layer, 1], blocks).cpu())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -16,11 +17,21 @@ import torch
 
 from engine.kv_cache import KVCacheSpec
 from kvtransfer import KVChunkError, KVCommitInfo, KVTransferError
+from kvtransfer.blocks import copy_blocks, gather_blocks
 from kvtransfer.grpc_sender import GrpcKVTransport
+from kvtransfer.malloc_tuning import keep_freed_memory
 from kvtransfer.memory_sink import InMemoryKVSink
 from kvtransfer.receiver import KVTransferService
 from kvtransfer.sink import KVSink
-from kvtransfer.wire import commit_from_proto, commit_to_proto, decode_chunk, encode_layer
+from kvtransfer.wire import (
+    WireMessage,
+    commit_from_proto,
+    commit_to_proto,
+    decode_chunk,
+    encode_layer,
+    encode_layer_messages,
+    parse_message,
+)
 from protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 T = TypeVar("T")
@@ -54,7 +65,6 @@ def test_wire_round_trip_multi_chunk(dtype: str) -> None:
     assert torch.equal(torch.cat([d.k for d in decoded]), k)
     assert torch.equal(torch.cat([d.v for d in decoded]), v)
     assert decoded[0].k.dtype == spec.torch_dtype
-    decoded[0].k.add_(1)  # writable, owned by the receiver
 
 
 def test_wire_payload_is_k_then_v() -> None:
@@ -68,6 +78,131 @@ def test_wire_at_least_one_block_per_chunk() -> None:
     k, v = _blocks(3)
     chunks = list(encode_layer("r", 0, [0, 1, 2], k, v, max_chunk_bytes=1))
     assert [len(c.block_indices) for c in chunks] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("max_chunk_bytes", [1, 4 * 256, 1 << 20])
+def test_encoded_messages_are_plain_protobuf(dtype: str, max_chunk_bytes: int) -> None:
+    """The sender's hand-assembled bytes equal protobuf's own serialization."""
+    spec = KVCacheSpec(2, 8, 4, 2, 8, dtype)
+    k, v = _blocks(5, spec)
+    # seq 200+ and payloads over 127 bytes: multi-byte varints in the keys and lengths
+    args = ("r" * 40, 1, [4, 3, 2, 1, 0], k, v)
+    kw = {"first_seq": 200, "max_chunk_bytes": max_chunk_bytes}
+    fast = list(encode_layer_messages(*args, **kw))
+    ref = [kvtransfer_pb2.KVMessage(chunk=c) for c in encode_layer(*args, **kw)]
+    assert [m.data for m in fast] == [m.SerializeToString() for m in ref]
+    assert [m.payload_bytes for m in fast] == [len(m.chunk.payload) for m in ref]
+
+
+def test_parse_message_leaves_payload_in_place() -> None:
+    k, v = _blocks(3)
+    (msg,) = encode_layer_messages("r", 2, [0, 1, 2], k, v, first_seq=4)
+    raw = msg.data
+    parsed = parse_message(raw)
+    assert parsed.kind == "chunk" and parsed.error == ""
+    assert isinstance(parsed.payload, memoryview) and parsed.payload.obj is raw  # no copy
+    assert bytes(parsed.payload) == k.numpy().tobytes() + v.numpy().tobytes()
+    header = parsed.body
+    assert (header.layer, list(header.block_indices), header.seq) == (2, [0, 1, 2], 4)
+    assert header.payload == b""
+    decoded = decode_chunk(header, SPEC, 3, parsed.payload)
+    assert torch.equal(decoded.k, k) and torch.equal(decoded.v, v)
+    # K starts where the payload starts inside the received bytes: nothing was copied
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: only its address
+        raw_at = torch.frombuffer(raw, dtype=torch.uint8).data_ptr()
+    assert decoded.k.data_ptr() == raw_at + len(raw) - 2 * 3 * BLOCK_BYTES
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (lengths < 128 only)."""
+    assert len(payload) < 128
+    return bytes((number << 3 | 2, len(payload))) + payload
+
+
+@pytest.mark.parametrize("layout", ["payload_first", "payload_twice", "chunk_twice"])
+def test_parse_message_any_valid_layout(layout: str) -> None:
+    """Encodings other than protobuf's own canonical one parse with protobuf's semantics
+    (a repeated scalar field: the last wins; a repeated message field: merged)."""
+    k, v = _blocks(1, KVCacheSpec(3, 16, 1, 1, 2))  # 8-byte K and V
+    chunk = next(encode_layer("r", 1, [0], k, v))
+    payload = chunk.payload
+    header = kvtransfer_pb2.KVChunk()
+    header.CopyFrom(chunk)
+    header.ClearField("payload")
+    head = header.SerializeToString()
+    if layout == "payload_first":
+        raw = _field(1, _field(8, payload) + head)
+    elif layout == "payload_twice":
+        raw = _field(1, head + _field(8, b"\0" * 16) + _field(8, payload))
+    else:  # the payload in a second occurrence of the chunk field
+        raw = _field(1, head) + _field(1, _field(8, payload))
+    assert kvtransfer_pb2.KVMessage.FromString(raw).chunk == chunk  # protobuf agrees
+    parsed = parse_message(raw)
+    assert parsed.kind == "chunk"
+    assert bytes(parsed.payload) == payload
+    assert parsed.body.crc32 == chunk.crc32 and list(parsed.body.shape) == list(chunk.shape)
+
+
+def test_parse_message_other_kinds_and_garbage() -> None:
+    info = KVCommitInfo(num_prompt_tokens=3, first_token_id=7)
+    commit = kvtransfer_pb2.KVMessage(commit=commit_to_proto("r", 2, info))
+    parsed = parse_message(commit.SerializeToString())
+    assert parsed.kind == "commit" and commit_from_proto(parsed.body) == info
+    abort = kvtransfer_pb2.KVMessage(abort=kvtransfer_pb2.KVAbort(reservation_id="r"))
+    assert parse_message(abort.SerializeToString()).kind == "abort"
+    assert parse_message(b"") == WireMessage(None, None, error="empty KVMessage")
+    k, v = _blocks(1)
+    (msg,) = encode_layer_messages("r", 0, [0], k, v)
+    for raw in (msg.data[:-100], b"\xff\xff\xff", msg.data[:3]):  # truncated, not protobuf
+        bad = parse_message(raw)
+        assert bad.kind is None and bad.error.startswith("malformed"), bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "block_ids", [[3, 4, 5, 6], [9, 8, 7, 6], [7, 1, 12, 4, 9, 0, 15, 3, 11, 5], [5], []]
+)
+def test_copy_and_gather_blocks(block_ids: list[int], dtype: torch.dtype) -> None:
+    dst = torch.randn(16, 4, 2, 8).to(dtype)
+    src = torch.randn(len(block_ids), 4, 2, 8).to(dtype)
+    want = dst.clone()
+    for i, b in enumerate(block_ids):
+        want[b] = src[i]
+    copy_blocks(dst, block_ids, src)
+    assert torch.equal(dst, want)
+    got = gather_blocks(dst, block_ids)
+    assert got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(got, dst[torch.tensor(block_ids, dtype=torch.long)])
+    assert got.data_ptr() != dst.data_ptr() or not block_ids  # a copy
+
+
+def test_copy_blocks_into_a_strided_view() -> None:
+    """A destination numpy cannot view (not contiguous) goes through torch's own ops."""
+    base = torch.zeros(16, 3, 2)
+    dst = base[:, :, 0]  # [16, 3], stride 2
+    src = torch.randn(3, 3)
+    copy_blocks(dst, [9, 2, 5], src)
+    assert torch.equal(base[[9, 2, 5], :, 0], src) and not base[:, :, 1].any()
+    assert torch.equal(gather_blocks(dst, [5, 9]), src[[2, 0]])
+
+
+def test_copy_blocks_refuses_bad_ids_and_shapes() -> None:
+    dst = torch.zeros(4, 2, 3)
+    with pytest.raises(IndexError):
+        copy_blocks(dst, [-1], torch.ones(1, 2, 3))  # numpy would write block 3
+    with pytest.raises(IndexError):
+        gather_blocks(dst, [4])
+    with pytest.raises(ValueError):
+        copy_blocks(dst, [0], torch.ones(1, 2, 3, dtype=torch.float64))
+    assert not dst.any()
+
+
+def test_keep_freed_memory_is_idempotent() -> None:
+    first = keep_freed_memory()
+    assert keep_freed_memory() == first
+    assert isinstance(first, bool)
 
 
 def _chunk(**changes: object) -> kvtransfer_pb2.KVChunk:
@@ -133,7 +268,8 @@ class Receiver:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
 
     async def _start(self) -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server()
+        # the decode worker's limit (pdserve.worker_runtime.MAX_MESSAGE_BYTES)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
         self.service.add_to_server(server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -149,6 +285,15 @@ class Receiver:
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     r = Receiver(SPEC)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def receiver_big() -> Iterator[Receiver]:
+    """SmolLM2-135M's layout (float32, 16-token blocks, 3 KV heads of 64), 2 layers."""
+    r = Receiver(KVCacheSpec(num_layers=2, num_blocks=256, block_size=16, num_kv_heads=3,
+                             head_dim=64))
     yield r
     r.close()
 
@@ -338,6 +483,67 @@ def test_stream_without_commit_aborts(receiver: Receiver) -> None:
     err = _push_raw(receiver.address, _layer_messages(rid, range(3), 1))
     _assert_rejected(receiver, rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT,
                      "commit")
+
+
+def _push_bytes(address: str, messages: list[bytes]) -> grpc.RpcError:
+    """Pushes hand-made bytes, as a sender with its own encoder would."""
+    with grpc.insecure_channel(address) as channel:
+        push = channel.stream_unary("/pdserve.v1.KVTransfer/Push", request_serializer=None,
+                                    response_deserializer=kvtransfer_pb2.PushAck.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            push(iter(messages), timeout=30)
+    return err.value
+
+
+def test_corrupted_fast_path_chunk_rejected(receiver: Receiver) -> None:
+    """A bit flipped in a payload the receiver reads in place: refused, cache untouched."""
+    sink = receiver.sink
+    rid = sink.reserve(2)
+    phys = sink.block_table(rid)
+    before = _fill_other_blocks(sink)
+    messages = []
+    for layer in range(3):
+        k, v = _blocks(2, seed=layer)
+        messages += [bytearray(m.data) for m in encode_layer_messages(
+            rid, layer, [0, 1], k, v, first_seq=layer)]
+    messages[2][-1] ^= 0x80  # the last byte of layer 2's V
+    err = _push_bytes(receiver.address, [bytes(m) for m in messages])
+    _assert_rejected(receiver, rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT, "crc32")
+    assert receiver.service.bytes_received == 2 * 2 * 2 * BLOCK_BYTES  # layers 0 and 1 only
+
+
+def test_malformed_message_rejected(receiver: Receiver) -> None:
+    """Bytes that are not a KVMessage end the stream with INVALID_ARGUMENT (not a gRPC
+    deserialization failure) and free the reservation."""
+    sink = receiver.sink
+    rid = sink.reserve(2)
+    phys = sink.block_table(rid)
+    before = _fill_other_blocks(sink)
+    k, v = _blocks(2)
+    (first,) = encode_layer_messages(rid, 0, [0, 1], k, v)
+    err = _push_bytes(receiver.address, [first.data, first.data[:-7]])
+    _assert_rejected(receiver, rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT, "msg")
+
+
+def test_push_4_mib_chunks_of_a_real_layout(receiver_big: Receiver) -> None:
+    """SmolLM2's block layout in 4 MiB chunks: 4 MiB of payload plus its header is over
+    gRPC's default 4 MiB receive limit, which the decode worker raises (MAX_MESSAGE_BYTES)
+    as this receiver does."""
+    sink = receiver_big.sink
+    spec = sink.kv_spec
+    rid = sink.reserve(200)
+    t = GrpcKVTransport(max_chunk_bytes=4 << 20, timeout_s=60)
+    try:
+        stream = t.open(receiver_big.address, rid, spec)
+        k, v = _blocks(200, spec, seed=3)
+        for layer in range(spec.num_layers):
+            stream.push_layer(layer, list(range(200)), k, v)
+        result = stream.commit(KVCommitInfo(num_prompt_tokens=200 * 16, first_token_id=1))
+    finally:
+        t.close()
+    assert result.bytes_sent == spec.num_layers * 2 * 200 * spec.block_bytes
+    phys = sink.block_table(rid)
+    assert torch.equal(sink.cache.value(spec.num_layers - 1)[phys], v)
 
 
 def test_sender_reports_status_code(receiver: Receiver, transport: GrpcKVTransport) -> None:
