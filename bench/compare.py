@@ -42,12 +42,16 @@ from typing import Any
 
 from bench import plots
 from bench.clients import GatewayGRPCClient
+from bench.metrics import meets_slo
 from bench.runner import RunResult, run_benchmark
 from bench.workloads import BenchRequest, Tokenizer, fit_text, make_workload, with_arrivals
 from pdserve.cluster import ClusterConfig, LocalCluster
 
 COMPARISONS = ("disagg", "prefix", "offline")
 SUSTAINED_ATTAINMENT = 0.9  # DistServe's SLO attainment for "SLO capacity"
+# TPOT SLOs the disaggregated comparison is re-scored under, from the same requests: whether
+# disaggregation pays in goodput depends on how tight the TPOT SLO is (DistServe, fig. 1)
+TPOT_SLO_GRID_MS = (100.0, 150.0, 200.0, 250.0, 300.0)
 COUNTERS = ("pdserve:prompt_tokens_total", "pdserve:prefix_cache_hits_total")
 
 
@@ -280,6 +284,7 @@ def compare_disagg(s: Settings, tokenizer: Tokenizer, out_dir: Path) -> dict[str
 
     capacity = {label: slo_capacity(label) for label in results}
     all_results = [r for res in results.values() for r in res]
+    sensitivity = tpot_slo_sensitivity(results, rates, s.ttft_slo_ms)
     return {
         "workload": "long-prompt", "rates": rates, "requests_per_run": s.disagg_requests,
         "configurations": [dataclasses.asdict(c) for c in configs],
@@ -289,10 +294,31 @@ def compare_disagg(s: Settings, tokenizer: Tokenizer, out_dir: Path) -> dict[str
         "p99_tpot_ratio": tpot_ratio, "goodput_ratio": goodput_ratio,
         "slo_capacity": capacity,
         "slo_capacity_ratio": ratio(capacity["disaggregated"], capacity["colocated"]),
+        "tpot_slo_sensitivity": sensitivity,
         "targets": [target("P99 TPOT, disaggregated / colocated", tpot_ratio, "<=", 0.5),
                     target("goodput, disaggregated / colocated", goodput_ratio, ">=", 1.5)],
         "plots": _save_runs(out_dir, "disagg", all_results, "long-prompt", s.seed),
     }
+
+
+def tpot_slo_sensitivity(results: Mapping[str, Sequence[RunResult]], rates: Sequence[float],
+                         ttft_slo_ms: float) -> list[dict[str, Any]]:
+    """The same runs scored under each TPOT SLO of TPOT_SLO_GRID_MS (TTFT SLO fixed):
+    per setup, SLO attainment at each rate and the SLO capacity (highest sustained rate
+    with attainment >= SUSTAINED_ATTAINMENT)."""
+    grid = []
+    for tpot_ms in TPOT_SLO_GRID_MS:
+        entry: dict[str, Any] = {"tpot_slo_ms": tpot_ms}
+        for label, runs in results.items():
+            att = [sum(meets_slo(r, ttft_slo_ms / 1000, tpot_ms / 1000) for r in run.records)
+                   / max(1, len(run.records)) for run in runs]
+            ok = [rate for rate, a, run in zip(rates, att, runs)
+                  if a >= SUSTAINED_ATTAINMENT and run.report.failed == 0]
+            entry[label] = {"attainment": att, "slo_capacity": max(ok) if ok else None}
+        entry["capacity_ratio"] = ratio(entry["disaggregated"]["slo_capacity"],
+                                        entry["colocated"]["slo_capacity"])
+        grid.append(entry)
+    return grid
 
 
 def compare_prefix(s: Settings, tokenizer: Tokenizer, out_dir: Path) -> dict[str, Any]:
@@ -413,6 +439,20 @@ def disagg_md(c: Mapping[str, Any]) -> list[str]:
     lines += ["", f"Compared at {at:g} req/s ({why}). SLO capacity: disaggregated "
               f"{_f(cap['disaggregated'], 2)}, colocated {_f(cap['colocated'], 2)} req/s "
               f"(ratio {_f(c['slo_capacity_ratio'], 2)}).", "", *_targets_md(c["targets"])]
+    grid = c.get("tpot_slo_sensitivity")
+    if grid:
+        rates = " / ".join(f"{r:g}" for r in c["rates"])
+        lines += ["", f"The same requests scored under other TPOT SLOs (TTFT <= {slo['ttft']:g} "
+                  f"ms): SLO attainment at {rates} req/s and SLO capacity.", "",
+                  "| TPOT SLO (ms) | disaggregated attainment | capacity | colocated "
+                  "attainment | capacity | capacity ratio |", "|---|---|---|---|---|---|"]
+        for e in grid:
+            d, co = e["disaggregated"], e["colocated"]
+            lines.append(
+                f"| {e['tpot_slo_ms']:g} | {' / '.join(f'{a:.0%}' for a in d['attainment'])} "
+                f"| {_f(d['slo_capacity'], 2)} "
+                f"| {' / '.join(f'{a:.0%}' for a in co['attainment'])} "
+                f"| {_f(co['slo_capacity'], 2)} | {_f(e['capacity_ratio'], 2)} |")
     return lines
 
 

@@ -88,6 +88,16 @@ def test_disagg_and_prefix_smoke(tiny_model_dir, tmp_path) -> None:
     assert d["p99_tpot_ratio"] > 0 and d["goodput_ratio"] > 0
     assert [t["target"] for t in d["targets"]] == ["<= 0.5", ">= 1.5"]
     assert all(t["measured"] is not None for t in d["targets"])
+    # the TPOT-SLO grid re-scores the same requests: it agrees with the main score at the
+    # configured SLO, and attainment can only grow as the SLO loosens
+    grid = d["tpot_slo_sensitivity"]
+    assert [e["tpot_slo_ms"] for e in grid] == list(compare.TPOT_SLO_GRID_MS)
+    for label in ("disaggregated", "colocated"):
+        att = [e[label]["attainment"][0] for e in grid]
+        assert att == sorted(att)
+        at_cfg = next(e for e in grid if e["tpot_slo_ms"] == d["slo_ms"]["tpot"])
+        assert at_cfg[label]["attainment"] == [row[label]["slo_attainment"]]
+    assert "scored under other TPOT SLOs" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "disagg" / "runs.json").exists()
     assert (tmp_path / "disagg" / "latency_cdf.png").stat().st_size > 0
 
