@@ -66,6 +66,9 @@ class Settings:
     tpot_slo_ms: float = 250.0
     disagg_requests: int = 32
     disagg_rates: tuple[float, ...] = (0.3, 0.6, 0.9, 1.2)
+    # a third layout for the disagg comparison: prompts of at least this many tokens go to
+    # the prefill worker, shorter ones prefill on the decode worker; 0 = leave it out
+    conditional_threshold: int = 1024
     prefix_requests: int = 24
     prefix_rate: float = 0.3
     drain_s: float = 60.0  # a run's time limit is its arrival window plus this
@@ -267,6 +270,10 @@ def compare_disagg(s: Settings, tokenizer: Tokenizer, out_dir: Path) -> dict[str
         Configuration("colocated", 0, f"decode={c0},{c1}" if c0 != c1 else f"decode={c0}",
                       decode_args=("--threads", "2" if c0 != c1 else "1")),
     ]
+    if s.conditional_threshold:
+        configs.append(Configuration(
+            "conditional", 1, f"prefill={c0},decode={c1}", ("--threads", "1"),
+            ("--threads", "1"), disagg_threshold=s.conditional_threshold))
     results = {c.label: run_configuration(s, c, runs, warmup)[0] for c in configs}
     rows = [{"rate": rate, **{label: _row(res[i]) for label, res in results.items()}}
             for i, rate in enumerate(rates)]
@@ -317,6 +324,9 @@ def tpot_slo_sensitivity(results: Mapping[str, Sequence[RunResult]], rates: Sequ
             entry[label] = {"attainment": att, "slo_capacity": max(ok) if ok else None}
         entry["capacity_ratio"] = ratio(entry["disaggregated"]["slo_capacity"],
                                         entry["colocated"]["slo_capacity"])
+        if "conditional" in entry:
+            entry["conditional_capacity_ratio"] = ratio(entry["conditional"]["slo_capacity"],
+                                                        entry["colocated"]["slo_capacity"])
         grid.append(entry)
     return grid
 
@@ -411,10 +421,18 @@ def _header_md(c: Mapping[str, Any]) -> list[str]:
 
 def disagg_md(c: Mapping[str, Any]) -> list[str]:
     slo = c["slo_ms"]
+    labels = [cfg["label"] for cfg in c["configurations"]]
+    conditional = next((cfg for cfg in c["configurations"] if cfg["label"] == "conditional"),
+                       None)
+    layouts = ("Disaggregated: 1 prefill worker on one core + 1 decode worker on the other "
+               "(`--threads 1` each, `--disagg-threshold 0`). Colocated: 1 decode worker on "
+               "both cores (`--threads 2`, no prefill worker). ")
+    if conditional:
+        layouts += ("Conditional: the disaggregated layout with `--disagg-threshold "
+                    f"{conditional['disagg_threshold']}`: shorter prompts prefill on the decode "
+                    "worker. ")
     lines = ["## Disaggregated vs colocated (`long-prompt`)", "", *_header_md(c),
-             "Disaggregated: 1 prefill worker on one core + 1 decode worker on the other "
-             "(`--threads 1` each, `--disagg-threshold 0`). Colocated: 1 decode worker on both "
-             "cores (`--threads 2`, no prefill worker). Gateway unpinned in both. "
+             layouts + "Gateway unpinned in all. "
              f"{c['requests_per_run']} Poisson requests per rate; each rate replays the same "
              "lengths with new text (no prefix-cache carry-over).", "",
              f"SLOs: TTFT <= {slo['ttft']:g} ms, TPOT <= {slo['tpot']:g} ms. A setup "
@@ -425,7 +443,7 @@ def disagg_md(c: Mapping[str, Any]) -> list[str]:
              "| P99 TPOT (ms) | P50 TTFT (ms) | P99 TTFT (ms) | sustained |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in c["rows"]:
-        for label in ("disaggregated", "colocated"):
+        for label in labels:
             r = row[label]
             lines.append(
                 f"| {row['rate']:g} | {label} | {r['completed']}/{r['num_requests']} "
@@ -436,23 +454,24 @@ def disagg_md(c: Mapping[str, Any]) -> list[str]:
     why = ("the highest rate colocated sustains" if c["colocated_sustained_any"]
            else "colocated sustained no rate; compared at the lowest")
     cap = c["slo_capacity"]
-    lines += ["", f"Compared at {at:g} req/s ({why}). SLO capacity: disaggregated "
-              f"{_f(cap['disaggregated'], 2)}, colocated {_f(cap['colocated'], 2)} req/s "
-              f"(ratio {_f(c['slo_capacity_ratio'], 2)}).", "", *_targets_md(c["targets"])]
+    caps = ", ".join(f"{label} {_f(cap[label], 2)}" for label in labels)
+    lines += ["", f"Compared at {at:g} req/s ({why}). SLO capacity (req/s): {caps} "
+              f"(disaggregated / colocated {_f(c['slo_capacity_ratio'], 2)}).", "",
+              *_targets_md(c["targets"])]
     grid = c.get("tpot_slo_sensitivity")
     if grid:
         rates = " / ".join(f"{r:g}" for r in c["rates"])
         lines += ["", f"The same requests scored under other TPOT SLOs (TTFT <= {slo['ttft']:g} "
-                  f"ms): SLO attainment at {rates} req/s and SLO capacity.", "",
-                  "| TPOT SLO (ms) | disaggregated attainment | capacity | colocated "
-                  "attainment | capacity | capacity ratio |", "|---|---|---|---|---|---|"]
+                  f"ms): SLO attainment at {rates} req/s, and SLO capacity.", "",
+                  "| TPOT SLO (ms) | " + " | ".join(f"{label} attainment | capacity"
+                                                    for label in labels)
+                  + " | capacity, disaggregated / colocated |",
+                  "|---|" + "---|---|" * len(labels) + "---|"]
         for e in grid:
-            d, co = e["disaggregated"], e["colocated"]
-            lines.append(
-                f"| {e['tpot_slo_ms']:g} | {' / '.join(f'{a:.0%}' for a in d['attainment'])} "
-                f"| {_f(d['slo_capacity'], 2)} "
-                f"| {' / '.join(f'{a:.0%}' for a in co['attainment'])} "
-                f"| {_f(co['slo_capacity'], 2)} | {_f(e['capacity_ratio'], 2)} |")
+            cells = [f"{' / '.join(f'{a:.0%}' for a in e[label]['attainment'])} "
+                     f"| {_f(e[label]['slo_capacity'], 2)}" for label in labels]
+            lines.append(f"| {e['tpot_slo_ms']:g} | " + " | ".join(cells)
+                         + f" | {_f(e['capacity_ratio'], 2)} |")
     return lines
 
 
@@ -584,6 +603,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=float, nargs="+", metavar="RATE",
                    help="disagg rate sweep in req/s (default "
                         f"{' '.join(map(str, d.disagg_rates))})")
+    p.add_argument("--conditional-threshold", type=int, default=d.conditional_threshold,
+                   metavar="TOKENS",
+                   help="disagg comparison: also run the disaggregated layout with prompts "
+                        "shorter than TOKENS prefilled on the decode worker (default "
+                        f"{d.conditional_threshold}; 0 leaves this layout out)")
     p.add_argument("--requests", type=int, default=None, metavar="N",
                    help=f"requests per disagg run (default {d.disagg_requests}) and prefix run "
                         f"(default {d.prefix_requests})")
@@ -612,6 +636,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = dataclasses.replace(s, disagg_rates=tuple(a.rates))
     if a.requests:
         s = dataclasses.replace(s, disagg_requests=a.requests, prefix_requests=a.requests)
+    if a.conditional_threshold < 0:
+        print("bench.compare: --conditional-threshold must be >= 0", file=sys.stderr)
+        return 2
+    s = dataclasses.replace(s, conditional_threshold=a.conditional_threshold)
     out_dir = a.out_dir or Path("docs/bench/quick" if a.quick else "docs/bench")
     run(s, a.only, out_dir)
     return 0

@@ -73,7 +73,7 @@ def test_disagg_and_prefix_smoke(tiny_model_dir, tmp_path) -> None:
                             "short_range": (8, 24), "output_range": (4, 8)},
         shared_prefix_params={"system_len": 64, "question_range": (8, 16),
                               "output_range": (4, 8), "max_turns": 2},
-        progress=False, command="pytest")
+        conditional_threshold=64, progress=False, command="pytest")
     merged = compare.run(s, ["disagg", "prefix"], tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())["comparisons"]
     assert set(saved) == {"disagg", "prefix"} and saved == json.loads(json.dumps(merged))
@@ -81,7 +81,8 @@ def test_disagg_and_prefix_smoke(tiny_model_dir, tmp_path) -> None:
     d = saved["disagg"]
     assert d["rates"] == [4.0] and d["compared_at_rate"] == 4.0
     (row,) = d["rows"]
-    for label in ("disaggregated", "colocated"):
+    assert set(row) == {"rate", "disaggregated", "colocated", "conditional"}
+    for label in ("disaggregated", "colocated", "conditional"):
         r = row[label]
         assert r["completed"] == r["num_requests"] == 4 and r["sustained"], r
         assert r["tpot_ms_p99"] > 0 and r["goodput"] > 0 and r["slo_attainment"] == 1.0
@@ -92,7 +93,7 @@ def test_disagg_and_prefix_smoke(tiny_model_dir, tmp_path) -> None:
     # configured SLO, and attainment can only grow as the SLO loosens
     grid = d["tpot_slo_sensitivity"]
     assert [e["tpot_slo_ms"] for e in grid] == list(compare.TPOT_SLO_GRID_MS)
-    for label in ("disaggregated", "colocated"):
+    for label in ("disaggregated", "colocated", "conditional"):
         att = [e[label]["attainment"][0] for e in grid]
         assert att == sorted(att)
         at_cfg = next(e for e in grid if e["tpot_slo_ms"] == d["slo_ms"]["tpot"])
