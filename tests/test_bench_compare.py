@@ -87,7 +87,9 @@ def test_disagg_and_prefix_smoke(tiny_model_dir, tmp_path) -> None:
         assert r["completed"] == r["num_requests"] == 4 and r["sustained"], r
         assert r["tpot_ms_p99"] > 0 and r["goodput"] > 0 and r["slo_attainment"] == 1.0
     assert d["p99_tpot_ratio"] > 0 and d["goodput_ratio"] > 0
-    assert [t["target"] for t in d["targets"]] == ["<= 0.5", ">= 1.5"]
+    assert [t["target"] for t in d["targets"]] == ["<= 0.5", ">= 1.5"] * 2
+    assert [t["metric"] for t in d["targets"]][2:] == [
+        "P99 TPOT, conditional / colocated", "goodput, conditional / colocated"]
     assert all(t["measured"] is not None for t in d["targets"])
     # the TPOT-SLO grid re-scores the same requests: it agrees with the main score at the
     # configured SLO, and attainment can only grow as the SLO loosens
