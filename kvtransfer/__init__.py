@@ -4,7 +4,7 @@ The layout being moved is `engine.kv_cache.KVCacheSpec`'s: per layer, K and V of
 `[num_blocks, block_size, kv_heads, head_dim]`. A transfer fills one reservation that the
 decode worker made before any prefill work began.
 
-- `wire`: the chunk format (header + raw K then V bytes + CRC32), its validation, and the
+- `wire`: the chunk format (header + raw K then V bytes + CRC-32C), its validation, and the
   copy-free (de)serialization of chunk messages used on both ends.
 - `sink`: `KVSink`, what the decode engine implements to receive KV, and `KVCommitInfo`.
 - `blocks`: copying whole blocks out of / into a layer's K or V tensor (sender, sinks).

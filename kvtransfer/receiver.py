@@ -4,7 +4,7 @@ Life cycle of one transfer (one Push stream, one reservation):
 
     Reserve (decode worker)  -> reservation open: blocks set aside, nothing written
     KVChunk*                 -> each chunk validated in full (reservation, seq, layer,
-                                dtype, shape, block indices, size, crc32), then written
+                                dtype, shape, block indices, size, crc32c), then written
                                 through `KVSink.write_kv`
     KVCommit                 -> chunk count and coverage of every (layer, block) checked,
                                 then `KVSink.commit_kv`; the sequence joins the decode batch

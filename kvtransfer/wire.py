@@ -1,9 +1,9 @@
 """The KV wire format: one `KVChunk` carries some blocks of one layer.
 
     header : reservation_id, layer, block_indices (logical, within the reservation),
-             dtype name, shape of the K part [n, block_size, kv_heads, head_dim], seq, crc32
+             dtype name, shape of the K part [n, block_size, kv_heads, head_dim], seq, crc32c
     payload: K bytes of those n blocks, then V bytes of the same n blocks
-             (C-contiguous, native little-endian), crc32 = zlib.crc32(payload)
+             (C-contiguous, native little-endian), crc32c = CRC-32C of the payload
 
 A layer's blocks are split into chunks of at most `max_chunk_bytes` of payload (at least
 one block per chunk). Decoding never unpickles anything: the payload is reinterpreted as
@@ -28,11 +28,11 @@ out, and each read of a parsed `bytes` field makes a fresh copy):
 from __future__ import annotations
 
 import warnings
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from crc32c import crc32c
 from google.protobuf.message import DecodeError
 
 from engine.kv_cache import KVCacheSpec, dtype_name
@@ -105,7 +105,7 @@ def _layer_parts(
     reservation_id: str, layer: int, block_indices: Sequence[int], k: torch.Tensor,
     v: torch.Tensor, first_seq: int, max_chunk_bytes: int,
 ) -> Iterator[tuple[kvtransfer_pb2.KVChunk, memoryview, memoryview]]:
-    """(header with crc32 but no payload, K bytes, V bytes) of each chunk of one layer."""
+    """(header with crc32c but no payload, K bytes, V bytes) of each chunk of one layer."""
     if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(
             f"k and v must be 4-D of equal shape and dtype, got {tuple(k.shape)} {k.dtype} "
@@ -130,7 +130,7 @@ def _layer_parts(
             dtype=dtype,
             shape=[end - start, *k.shape[1:]],
             seq=first_seq + i,
-            crc32=zlib.crc32(v_bytes, zlib.crc32(k_bytes)),  # = crc32 of K then V
+            crc32c=crc32c(v_bytes, crc32c(k_bytes)),  # = CRC-32C of K then V
         )
         yield header, k_bytes, v_bytes
 
@@ -308,8 +308,8 @@ def decode_chunk(
     expected = 2 * n * spec.block_bytes
     if size != expected:
         raise KVChunkError("payload", f"{size} bytes, expected {expected}")
-    if zlib.crc32(payload) != chunk.crc32:
-        raise KVChunkError("crc32", "payload checksum mismatch")
+    if crc32c(payload) != chunk.crc32c:
+        raise KVChunkError("crc32c", "payload checksum mismatch")
     # A read-only view of the payload, no copy: the sink copies it into the cache (its
     # only use), so the warning about a non-writable buffer does not apply.
     with warnings.catch_warnings():

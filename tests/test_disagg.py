@@ -121,7 +121,7 @@ def test_corrupt_chunk_rejected_cache_untouched(tiny_model_dir):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await kv.Push(msgs())
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "crc32" in e.value.details()
+                assert "crc32c" in e.value.details()
                 # the reservation is gone: its Decode stream is refused
                 await asyncio.sleep(0.2)
                 with pytest.raises(grpc.aio.AioRpcError) as e2:

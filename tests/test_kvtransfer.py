@@ -7,13 +7,13 @@ import asyncio
 import threading
 import time
 import warnings
-import zlib
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import grpc
 import pytest
 import torch
+from crc32c import crc32c
 
 from engine.kv_cache import KVCacheSpec
 from kvtransfer import KVChunkError, KVCommitInfo, KVTransferError
@@ -60,7 +60,7 @@ def test_wire_round_trip_multi_chunk(dtype: str) -> None:
                                max_chunk_bytes=4 * spec.block_bytes))
     assert [list(c.block_indices) for c in chunks] == [[4, 3], [2, 1], [0]]
     assert [c.seq for c in chunks] == [7, 8, 9]
-    assert all(c.dtype == dtype and c.crc32 == zlib.crc32(c.payload) for c in chunks)
+    assert all(c.dtype == dtype and c.crc32c == crc32c(c.payload) for c in chunks)
     decoded = [decode_chunk(c, spec, num_reserved_blocks=5) for c in chunks]
     assert torch.equal(torch.cat([d.k for d in decoded]), k)
     assert torch.equal(torch.cat([d.v for d in decoded]), v)
@@ -142,7 +142,7 @@ def test_parse_message_any_valid_layout(layout: str) -> None:
     parsed = parse_message(raw)
     assert parsed.kind == "chunk"
     assert bytes(parsed.payload) == payload
-    assert parsed.body.crc32 == chunk.crc32 and list(parsed.body.shape) == list(chunk.shape)
+    assert parsed.body.crc32c == chunk.crc32c and list(parsed.body.shape) == list(chunk.shape)
 
 
 def test_parse_message_other_kinds_and_garbage() -> None:
@@ -227,7 +227,7 @@ def _chunk(**changes: object) -> kvtransfer_pb2.KVChunk:
         ({"block_indices": [0, 2]}, "block_indices"),
         ({"block_indices": [1, 1]}, "block_indices"),
         ({"payload": b"\0" * 10}, "payload"),
-        ({"crc32": 12345}, "crc32"),
+        ({"crc32c": 12345}, "crc32c"),
     ],
 )
 def test_wire_rejects(changes: dict[str, object], field: str) -> None:
@@ -400,7 +400,7 @@ def test_corrupted_payload_rejected(receiver: Receiver) -> None:
     messages[3].chunk.payload = bytes(bad)
     messages.append(_commit_message(rid, len(messages), 8))
     err = _push_raw(receiver.address, messages)
-    _assert_rejected(receiver, rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT, "crc32")
+    _assert_rejected(receiver, rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT, "crc32c")
     # the corrupted chunk (layer 1, block 1) never reached the cache
     k_layer1, _ = _blocks(2, seed=1)
     assert not torch.equal(sink.cache.key(1)[phys[1]], k_layer1[1])
@@ -508,7 +508,7 @@ def test_corrupted_fast_path_chunk_rejected(receiver: Receiver) -> None:
             rid, layer, [0, 1], k, v, first_seq=layer)]
     messages[2][-1] ^= 0x80  # the last byte of layer 2's V
     err = _push_bytes(receiver.address, [bytes(m) for m in messages])
-    _assert_rejected(receiver, rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT, "crc32")
+    _assert_rejected(receiver, rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT, "crc32c")
     assert receiver.service.bytes_received == 2 * 2 * 2 * BLOCK_BYTES  # layers 0 and 1 only
 
 

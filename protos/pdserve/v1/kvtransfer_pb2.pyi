@@ -8,14 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVChunk(_message.Message):
-    __slots__ = ("reservation_id", "layer", "block_indices", "dtype", "shape", "seq", "crc32", "payload")
+    __slots__ = ("reservation_id", "layer", "block_indices", "dtype", "shape", "seq", "crc32c", "payload")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     layer: int
@@ -23,9 +23,9 @@ class KVChunk(_message.Message):
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     seq: int
-    crc32: int
+    crc32c: int
     payload: bytes
-    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., crc32: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., crc32c: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class KVCommit(_message.Message):
     __slots__ = ("reservation_id", "num_chunks", "num_prompt_tokens", "num_cached_tokens", "first_token_id", "first_token_logprobs", "timing")
