@@ -249,15 +249,23 @@ class Orchestrator:
                                         sampling=sampling_to_proto(req.params))
         last: GatewayError | None = None
         for w in router.rank_decode(decodes, len(req.prompt_token_ids), self.inflight):
+            # counted from the moment it is chosen, not once the reservation returns: requests
+            # routed while this Reserve is on the wire must see it, or a burst all lands on
+            # the one worker that looked idle
+            self._enter(w)
             try:
                 resp = await self.channels.get(w.address).decode.Reserve(
                     msg, timeout=self._remaining(req))
-                return w, resp
+                return w, resp  # the caller leaves w when the request ends
             except grpc.aio.AioRpcError as e:
+                self._leave(w)
                 err = from_worker_status(e.code(), e.details(), f"decode worker {w.address}")
                 if e.code() not in _RETRY_ON:
                     raise err from None
                 last = err
+            except BaseException:
+                self._leave(w)
+                raise
         assert last is not None
         raise last
 
@@ -288,13 +296,13 @@ class Orchestrator:
     async def _disaggregated(self, req: GenerationRequest, decodes: list[Worker],
                              prefills: list[Worker], trace: _Trace
                              ) -> AsyncIterator[decode_pb2.TokenChunk]:
-        d, resv = await self._reserve(req, decodes)
-        self._enter(d)
-        call = self.channels.get(d.address).decode.Decode(
-            decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
-            timeout=self._remaining(req))
+        d, resv = await self._reserve(req, decodes)  # d counts as in flight from here
+        call = None
         finished = False
         try:
+            call = self.channels.get(d.address).decode.Decode(
+                decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
+                timeout=self._remaining(req))
             trace.prefill = await self._prefill(req, d, resv, prefills)
             async for ch in call:
                 finished = bool(ch.finish_reason)
@@ -309,6 +317,7 @@ class Orchestrator:
         finally:
             self._leave(d)
             if not finished:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
                 self.channels.cancel(d.address, reservation_id=resv.reservation_id,
                                      reason="gateway: request ended")

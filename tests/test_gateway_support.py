@@ -82,8 +82,12 @@ class Cluster:
         return s.load.free_blocks, s.load.total_blocks
 
     def assert_no_leaks(self, timeout: float = 10.0) -> None:
-        """Every worker's free blocks back to its total (cancels are asynchronous)."""
+        """Every worker's free blocks back to its total (cancels are asynchronous), and the
+        gateway counts no request in flight anywhere (its routing load)."""
         end = time.monotonic() + timeout
+        while self.gateway.orchestrator.inflight:
+            assert time.monotonic() < end, f"in flight: {self.gateway.orchestrator.inflight}"
+            time.sleep(0.05)
         for w in self.workers:
             while True:
                 free, total = self.blocks(w)
