@@ -280,16 +280,10 @@ def compare_disagg(s: Settings, tokenizer: Tokenizer, out_dir: Path) -> dict[str
     sustained = [row["rate"] for row in rows if row["colocated"]["sustained"]]
     at = max(sustained) if sustained else rates[0]
     row = next(r for r in rows if r["rate"] == at)
-    d, c = row["disaggregated"], row["colocated"]
-    tpot_ratio = ratio(d["tpot_ms_p99"], c["tpot_ms_p99"])
-    goodput_ratio = ratio(d["goodput"], c["goodput"])
-
-    def slo_capacity(label: str) -> float | None:
-        ok = [r["rate"] for r in rows
-              if r[label]["sustained"] and r[label]["slo_attainment"] >= SUSTAINED_ATTAINMENT]
-        return max(ok) if ok else None
-
-    capacity = {label: slo_capacity(label) for label in results}
+    targets = disagg_targets(row)  # disaggregated's two first: P99 TPOT, then goodput
+    capacity = {label: slo_capacity(rates, [r[label]["slo_attainment"] for r in rows],
+                                    [r[label]["sustained"] for r in rows])
+                for label in results}
     all_results = [r for res in results.values() for r in res]
     sensitivity = tpot_slo_sensitivity(results, rates, s.ttft_slo_ms)
     return {
@@ -298,13 +292,21 @@ def compare_disagg(s: Settings, tokenizer: Tokenizer, out_dir: Path) -> dict[str
         "slo_ms": {"ttft": s.ttft_slo_ms, "tpot": s.tpot_slo_ms},
         "rows": rows,
         "compared_at_rate": at, "colocated_sustained_any": bool(sustained),
-        "p99_tpot_ratio": tpot_ratio, "goodput_ratio": goodput_ratio,
+        "p99_tpot_ratio": targets[0]["measured"], "goodput_ratio": targets[1]["measured"],
         "slo_capacity": capacity,
         "slo_capacity_ratio": ratio(capacity["disaggregated"], capacity["colocated"]),
         "tpot_slo_sensitivity": sensitivity,
-        "targets": disagg_targets(row),
+        "targets": targets,
         "plots": _save_runs(out_dir, "disagg", all_results, "long-prompt", s.seed),
     }
+
+
+def slo_capacity(rates: Sequence[float], attainment: Sequence[float],
+                 sustained: Sequence[bool]) -> float | None:
+    """The highest rate sustained with SLO attainment >= SUSTAINED_ATTAINMENT, or None."""
+    ok = [rate for rate, a, sus in zip(rates, attainment, sustained)
+          if sus and a >= SUSTAINED_ATTAINMENT]
+    return max(ok) if ok else None
 
 
 def disagg_targets(row: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -333,9 +335,8 @@ def tpot_slo_sensitivity(results: Mapping[str, Sequence[RunResult]], rates: Sequ
         for label, runs in results.items():
             att = [sum(meets_slo(r, ttft_slo_ms / 1000, tpot_ms / 1000) for r in run.records)
                    / max(1, len(run.records)) for run in runs]
-            ok = [rate for rate, a, run in zip(rates, att, runs)
-                  if a >= SUSTAINED_ATTAINMENT and run.report.failed == 0]
-            entry[label] = {"attainment": att, "slo_capacity": max(ok) if ok else None}
+            entry[label] = {"attainment": att, "slo_capacity": slo_capacity(
+                rates, att, [run.report.failed == 0 for run in runs])}
         entry["capacity_ratio"] = ratio(entry["disaggregated"]["slo_capacity"],
                                         entry["colocated"]["slo_capacity"])
         if "conditional" in entry:

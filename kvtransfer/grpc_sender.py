@@ -4,7 +4,7 @@ One channel per destination address, shared by every stream to it. Each stream i
 `Push` call started with `.future()`: gRPC's request-consumer thread pulls from a queue
 fed by `push_layer`, encodes each layer into chunks and sends them, so the compute thread
 only enqueues. Chunks are handed to gRPC as ready-made bytes
-(`kvtransfer.wire.encode_layer_messages`: CRC32 and one copy of the tensors), not as
+(`kvtransfer.wire.encode_layer_messages`: CRC-32C and one copy of the tensors), not as
 protobuf objects, whose construction and serialization copy the payload twice more.
 
 gRPC sends one message at a time and asks for the next once it is written, so encoding

@@ -21,7 +21,7 @@ validation, so bad bytes never reach the cache.
 
 Messages reach `Push` already split by `kvtransfer.wire.parse_message` (registered as the
 method's deserializer in `add_to_server`): the chunk header parsed, the payload a view into
-the bytes gRPC received. From there to the cache the payload is read twice (CRC32, the
+the bytes gRPC received. From there to the cache the payload is read twice (CRC-32C, the
 copy into the cache) and copied once.
 """
 

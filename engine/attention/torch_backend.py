@@ -1,12 +1,16 @@
 """The `torch` attention backend: plain PyTorch over the paged cache.
 
-It is the reference the Triton kernels are tested against and the backend used on the
-CPU. The three functions below are the references; `TorchAttentionBackend` wires them in.
+It is the reference the Triton and C kernels are tested against, and the CPU fallback
+where no C compiler exists. The three functions below are the references;
+`DecodeThenPrefillBackend` is the step split it shares with the `cpu` backend, and
+`TorchAttentionBackend` wires the references in.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -165,42 +169,61 @@ def decode_attention_bucketed(query, k_cache, v_cache, plans: list[DecodePlan],
     return out
 
 
-@register_backend
-class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
+class DecodeThenPrefillBackend(AttentionBackend):
+    """A step as two parts: the decode rows through `_decode`, the prefill chunks through
+    `prefill_attention_reference`. What a step needs planned is planned at its first layer
+    and reused by the others. Subclasses choose the decode path."""
+
+    def __init__(self) -> None:
+        self._planned_for: AttentionMetadata | None = None
+        self._prefill_starts: list[int] = []
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
-    def __init__(self) -> None:
-        # the step's plan, built at its first layer and reused by the others
-        self._planned_for: AttentionMetadata | None = None
-        self._decode_plans: list[DecodePlan] = []
-        self._prefill_starts: list[int] = []
+    def _plan_decodes(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Per-step decode planning; nothing by default."""
 
-    def _plan(self, meta: AttentionMetadata, block_size: int) -> None:
-        if self._planned_for is meta:
-            return
-        nd = meta.num_decodes
-        self._decode_plans = plan_decode_buckets(
-            meta.seq_lens[:nd], meta.seq_lens_cpu[:nd], meta.block_tables[:nd],
-            block_size) if nd else []
-        starts = [0]
-        for n in meta.query_lens_cpu[nd:]:
-            starts.append(starts[-1] + n)
-        self._prefill_starts = starts
-        self._planned_for = meta
+    @abstractmethod
+    def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Attention of the step's decode rows (query [num_decodes, Hq, D]), into `out`
+        (contiguous) when given; returns the result."""
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        self._plan(meta, k_cache.shape[1])
         nd = meta.num_decodes
+        if self._planned_for is not meta:
+            self._prefill_starts = list(accumulate(meta.query_lens_cpu[nd:], initial=0))
+            self._plan_decodes(meta, k_cache.shape[1])
+            self._planned_for = meta
         if nd == meta.num_seqs:
-            return decode_attention_bucketed(query, k_cache, v_cache, self._decode_plans, scale)
-        out = torch.empty_like(query)
+            return self._decode(query, k_cache, v_cache, meta, scale)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if nd:
-            out[:nd] = decode_attention_bucketed(query[:nd], k_cache, v_cache,
-                                                 self._decode_plans, scale)
+            self._decode(query[:nd], k_cache, v_cache, meta, scale, out=out[:nd])
         out[nd:] = prefill_attention_reference(
             query[nd:], k_cache, v_cache, self._prefill_starts, meta.seq_lens_cpu[nd:],
             meta.block_tables[nd:], scale)
         return out
+
+
+@register_backend
+class TorchAttentionBackend(DecodeThenPrefillBackend):
+    name = "torch"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._decode_plans: list[DecodePlan] = []
+
+    def _plan_decodes(self, meta: AttentionMetadata, block_size: int) -> None:
+        nd = meta.num_decodes
+        self._decode_plans = plan_decode_buckets(
+            meta.seq_lens[:nd], meta.seq_lens_cpu[:nd], meta.block_tables[:nd],
+            block_size) if nd else []
+
+    def _decode(self, query, k_cache, v_cache, meta, scale, out=None):
+        res = decode_attention_bucketed(query, k_cache, v_cache, self._decode_plans, scale)
+        if out is None:
+            return res
+        return out.copy_(res)
