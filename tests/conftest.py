@@ -8,6 +8,10 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton fixes interpreter mode when it is first imported (its own library functions are
+# decorated then), and any test may import it through the engine's backend registry: set it
+# before anything does. scripts/gpu_check.py runs these tests with it set to 0 on a GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_SEED = 1234
 

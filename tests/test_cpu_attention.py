@@ -160,13 +160,20 @@ def _step(seqs: list[tuple[int, int]], num_decodes: int, bs: int, gen: torch.Gen
     return meta, num_blocks
 
 
-@pytest.mark.parametrize("seqs,num_decodes,dtype,atol", [
-    ([(1, 1), (1, 16), (1, 17), (1, 90), (20, 20), (7, 40), (16, 33)], 4, torch.float32, 1e-5),
-    ([(1, 5), (1, 70)], 2, torch.float32, 1e-5),  # decode-only step
-    ([(9, 9), (30, 64)], 0, torch.float32, 1e-5),  # prefill-only step
-    ([(1, 33), (12, 50)], 1, torch.bfloat16, 3e-2),  # bf16: see test_kernel_matches_reference
+# row_seqs: how many leading sequences the kernel takes; all of them while every chunk's
+# context is within ROWWISE_PREFILL_MAX_CONTEXT, else only the decodes
+@pytest.mark.parametrize("seqs,num_decodes,dtype,atol,row_seqs", [
+    ([(1, 1), (1, 16), (1, 17), (1, 90), (20, 20), (7, 40), (16, 33)], 4, torch.float32, 1e-5,
+     7),
+    ([(1, 5), (1, 70)], 2, torch.float32, 1e-5, 2),  # decode-only step
+    ([(9, 9), (30, 64)], 0, torch.float32, 1e-5, 2),  # prefill-only step
+    # one chunk past the float32 limit: its step's chunks all go to the reference
+    ([(1, 40), (1, 513), (9, 9), (30, 530), (5, 21)], 2, torch.float32, 1e-5, 2),
+    ([(40, 600), (24, 40)], 0, torch.float32, 1e-5, 0),
+    # bf16: see test_kernel_matches_reference; 600 and 700 are within its limit
+    ([(1, 33), (12, 50), (40, 600), (70, 700)], 1, torch.bfloat16, 3e-2, 4),
 ])
-def test_backend_matches_torch_backend(seqs, num_decodes, dtype, atol):
+def test_backend_matches_torch_backend(seqs, num_decodes, dtype, atol, row_seqs):
     gen = torch.Generator().manual_seed(0)
     meta, num_blocks = _step(seqs, num_decodes, 16, gen)
     t = len(meta.slot_mapping)
@@ -179,6 +186,7 @@ def test_backend_matches_torch_backend(seqs, num_decodes, dtype, atol):
         kc, vc = k_cache.clone(), v_cache.clone()
         be.store_kv(kv[0], kv[1], kc, vc, meta.slot_mapping)
         outs.append(be.forward(query, kc, vc, meta, 0.125))
+    assert be._row_seqs == row_seqs
     assert outs[1].shape == query.shape and outs[1].dtype == dtype
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
 

@@ -36,8 +36,6 @@ def _prompts(tokenizer, vocab: int, seed: int = 0) -> list[list[int]]:
 def test_tiny_parity_one_batch(tiny_model_dir, backend):
     if backend == "triton":
         pytest.importorskip("engine.attention.triton_backend")
-        import os
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     eng = tiny_engine(tiny_model_dir, attention_backend=backend, max_num_batched_tokens=256,
                       num_kv_blocks=512)
     prompts = _prompts(eng.tokenizer, eng.dims.vocab_size)

@@ -10,11 +10,6 @@ only error is the kernel's own rounding: softmax weights cast to the cache dtype
 the PV dot and the output cast once — a few units of that dtype's epsilon.
 """
 
-import os
-
-# CPU: the interpreter, set before engine.kernels is imported. scripts/gpu_check.py sets
-# "0" to run these same tests compiled on a GPU.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -16,11 +16,6 @@ by step, so what is left is:
   Compiled on a GPU the cast rounds to nearest even and RoPE is bit-exact again.
 """
 
-import os
-
-# CPU: the interpreter, set before engine.kernels is imported. scripts/gpu_check.py sets
-# "0" to run these same tests compiled on a GPU.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -5,11 +5,6 @@ cached prefix; both backends store the step's K/V into copies of one cache and a
 """
 
 import dataclasses
-import os
-
-# CPU: the interpreter, set before engine.kernels is imported. scripts/gpu_check.py sets
-# "0" to run these same tests compiled on a GPU.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

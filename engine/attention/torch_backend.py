@@ -170,41 +170,48 @@ def decode_attention_bucketed(query, k_cache, v_cache, plans: list[DecodePlan],
 
 
 class DecodeThenPrefillBackend(AttentionBackend):
-    """A step as two parts: the decode rows through `_decode`, the prefill chunks through
-    `prefill_attention_reference`. What a step needs planned is planned at its first layer
-    and reused by the others. Subclasses choose the decode path."""
+    """A step as two parts. The leading sequences that `_plan` picks (the decodes at least)
+    go through `_decode`, one row per query token, each row attending to its own context;
+    the remaining prefill chunks go through `prefill_attention_reference`. What a step needs
+    planned is planned at its first layer and reused by the others."""
 
     def __init__(self) -> None:
         self._planned_for: AttentionMetadata | None = None
+        self._row_seqs = 0  # leading sequences handled row-wise by `_decode`
+        self._rows = 0  # their query tokens
         self._prefill_starts: list[int] = []
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
-    def _plan_decodes(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Per-step decode planning; nothing by default."""
+    def _plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
+        """Per-step planning; returns how many leading sequences `_decode` takes (at least
+        `meta.num_decodes`)."""
+        return meta.num_decodes
 
     @abstractmethod
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """Attention of the step's decode rows (query [num_decodes, Hq, D]), into `out`
-        (contiguous) when given; returns the result."""
+        """Attention of the step's first query.shape[0] token rows, each as one query over
+        its context, into `out` (contiguous) when given; returns the result."""
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        nd = meta.num_decodes
         if self._planned_for is not meta:
-            self._prefill_starts = list(accumulate(meta.query_lens_cpu[nd:], initial=0))
-            self._plan_decodes(meta, k_cache.shape[1])
+            self._row_seqs = self._plan(meta, k_cache)
+            self._rows = sum(meta.query_lens_cpu[:self._row_seqs])
+            self._prefill_starts = list(accumulate(meta.query_lens_cpu[self._row_seqs:],
+                                                   initial=0))
             self._planned_for = meta
-        if nd == meta.num_seqs:
+        seqs, rows = self._row_seqs, self._rows
+        if seqs == meta.num_seqs:
             return self._decode(query, k_cache, v_cache, meta, scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if nd:
-            self._decode(query[:nd], k_cache, v_cache, meta, scale, out=out[:nd])
-        out[nd:] = prefill_attention_reference(
-            query[nd:], k_cache, v_cache, self._prefill_starts, meta.seq_lens_cpu[nd:],
-            meta.block_tables[nd:], scale)
+        if rows:
+            self._decode(query[:rows], k_cache, v_cache, meta, scale, out=out[:rows])
+        out[rows:] = prefill_attention_reference(
+            query[rows:], k_cache, v_cache, self._prefill_starts, meta.seq_lens_cpu[seqs:],
+            meta.block_tables[seqs:], scale)
         return out
 
 
@@ -216,11 +223,12 @@ class TorchAttentionBackend(DecodeThenPrefillBackend):
         super().__init__()
         self._decode_plans: list[DecodePlan] = []
 
-    def _plan_decodes(self, meta: AttentionMetadata, block_size: int) -> None:
+    def _plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
         nd = meta.num_decodes
         self._decode_plans = plan_decode_buckets(
             meta.seq_lens[:nd], meta.seq_lens_cpu[:nd], meta.block_tables[:nd],
-            block_size) if nd else []
+            k_cache.shape[1]) if nd else []
+        return nd
 
     def _decode(self, query, k_cache, v_cache, meta, scale, out=None):
         res = decode_attention_bucketed(query, k_cache, v_cache, self._decode_plans, scale)
