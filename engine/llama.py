@@ -7,6 +7,7 @@ Logits are computed only for the rows the caller samples from.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+class LayerOps:
+    """The element-wise ops of a decoder layer in eager torch: the reference, and what runs
+    where no fused implementation exists (engine.cpu_kernels.layer_ops has the CPU one)."""
+
+    name = "torch"
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta in place (the residual stream; None: no add), then RMSNorm(x)."""
+        if delta is not None:
+            x.add_(delta)
+        return rms_norm(x, weight, eps)
+
+    def rope_tables(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> Any:
+        """What `rope` needs for these positions, built once per forward for all layers."""
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D]
+
+    def rope(self, qk: torch.Tensor, tables: Any) -> torch.Tensor:
+        """qk [T, heads, D] with RoPE applied (in place where the implementation can)."""
+        return apply_rope(qk, *tables)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2I] = [gate | up]."""
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def pick_layer_ops(device: torch.device) -> LayerOps:
+    """The C ops on the CPU when they build (about 10 % of a CPU step is element-wise work in
+    eager torch), else the eager ones."""
+    if device.type == "cpu":
+        from engine.cpu_kernels.build import KernelBuildError
+        from engine.cpu_kernels.layer_ops import CpuLayerOps
+
+        try:
+            return CpuLayerOps()
+        except KernelBuildError as e:
+            logging.getLogger(__name__).warning("cpu layer ops unavailable, using torch: %s", e)
+    return LayerOps()
+
+
 class LlamaModel:
     """Weights + forward. Not an nn.Module: nothing here is trained."""
 
@@ -121,6 +164,7 @@ class LlamaModel:
             ))
         self._init_rope(hf_config)
         self.linear = pick_linear(device)
+        self.ops = pick_layer_ops(device)
 
     def _init_rope(self, hf_config: Any) -> None:
         # The model's own RoPE parameters (theta, scaling type) as transformers computes them.
@@ -151,27 +195,27 @@ class LlamaModel:
         t = input_ids.shape[0]
         q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         scale = d.head_dim ** -0.5
-        linear = self.linear
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        x = self.embed[input_ids]  # [T, H]
+        linear, ops, eps = self.linear, self.ops, d.rms_norm_eps
+        rope = ops.rope_tables(positions, self.cos, self.sin)
+        x = self.embed[input_ids]  # [T, H], the residual stream, updated in place
+        h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
             qkv = linear(h, layer.qkv)
             # RoPE on Q and K heads together: one pass instead of two
-            qk = qkv[:, :q_size + kv_size].view(t, d.num_heads + d.num_kv_heads, d.head_dim)
-            qk = apply_rope(qk, cos, sin)
+            qk = ops.rope(qkv[:, :q_size + kv_size].view(t, d.num_heads + d.num_kv_heads,
+                                                         d.head_dim), rope)
             q, k = qk[:, :d.num_heads], qk[:, d.num_heads:]
             v = qkv[:, q_size + kv_size:].view(t, d.num_kv_heads, d.head_dim)
             k_cache, v_cache = kv_cache.key(i), kv_cache.value(i)
             backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = backend.forward(q, k_cache, v_cache, meta, scale)  # [T, Hq, D]
-            x = x + linear(attn.reshape(t, q_size), layer.o)
-            h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
-            gate_up = linear(h, layer.gate_up)
-            inter = gate_up.shape[-1] // 2
-            x = x + linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.down)
+            h = ops.add_rms_norm(x, linear(attn.reshape(t, q_size), layer.o), layer.post_norm,
+                                 eps)
+            mlp = linear(ops.silu_mul(linear(h, layer.gate_up)), layer.down)
             if layer_hook is not None:
                 layer_hook(i)
-        x = rms_norm(x[logits_indices], self.final_norm, d.rms_norm_eps)
+            if i + 1 < len(self.layers):
+                h = ops.add_rms_norm(x, mlp, self.layers[i + 1].input_norm, eps)
+        # the last layer's residual add only for the rows logits are computed for
+        x = ops.add_rms_norm(x[logits_indices], mlp[logits_indices], self.final_norm, eps)
         return linear(x, self.lm_head).float()

@@ -14,7 +14,8 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, register_backend
 from engine.attention.torch_backend import DecodeThenPrefillBackend
-from engine.cpu_kernels.paged_decode import load, paged_decode_attention
+from engine.cpu_kernels.library import load
+from engine.cpu_kernels.paged_decode import paged_decode_attention
 
 # The longest context (prefix + chunk) for which a step's prefill chunks go through the
 # kernel row-wise. Per layer, 2 threads, against the SDPA reference (docs/benchmarks.md

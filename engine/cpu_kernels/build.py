@@ -1,4 +1,4 @@
-"""Compiling the C kernels into a shared library, once per source, compiler and CPU.
+"""Compiling the C kernels into one shared library, once per source, compiler and CPU.
 
 The library lands in a cache directory (env PDSERVE_KERNEL_CACHE, else
 $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve) under a name keyed by everything that
@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 
-SOURCE = pathlib.Path(__file__).with_name("paged_decode.c")
+SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("paged_decode.c", "layer_ops.c"))
 # -ffast-math lets gcc vectorise the float reductions (dot products, sums) and exp2f;
 # -fopenmp resolves to the libgomp torch has already loaded (same soname), so the kernel
 # shares torch's thread pool instead of starting a second one on the same cores.
@@ -60,11 +60,12 @@ def _cpu_features() -> str:
 def library_path(cc: str | None = None) -> pathlib.Path:
     cc = cc or compiler()
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(CFLAGS + LIBS).encode(),
+    flags = " ".join(CFLAGS + LIBS)
+    for part in (*(src.read_bytes() for src in SOURCES), cc.encode(), flags.encode(),
                  platform.machine().encode(), _cpu_features().encode()):
         h.update(part)
         h.update(b"\0")
-    return cache_dir() / f"paged_decode-{h.hexdigest()[:16]}.so"
+    return cache_dir() / f"pdserve_kernels-{h.hexdigest()[:16]}.so"
 
 
 def build() -> pathlib.Path:
@@ -79,14 +80,14 @@ def build() -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS],
+        r = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, *LIBS],
                            capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
-            raise KernelBuildError(f"{cc} failed to build {SOURCE.name}:\n{r.stderr.strip()}")
+            raise KernelBuildError(f"{cc} failed to build the CPU kernels:\n{r.stderr.strip()}")
         os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache must be loadable
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"could not build {SOURCE.name} with {cc}: {e}") from e
+        raise KernelBuildError(f"could not build the CPU kernels with {cc}: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -1,4 +1,4 @@
-"""The Python side of paged_decode.c: loading it, checking inputs, calling it.
+"""The Python side of paged_decode.c: checking inputs, calling the kernel.
 
 Every argument is checked before the kernel runs (here, or for per-sequence lengths and
 block ids by the library's own `pd_validate` pass, which reads only the int32 tables) so
@@ -8,50 +8,13 @@ that the kernel never reads outside the tensors it is given.
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from engine.cpu_kernels.build import KernelBuildError, build
+from engine.cpu_kernels.library import load
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: KernelBuildError | None = None
-
-
-def load() -> ctypes.CDLL:
-    """The compiled library (built on first use); raises KernelBuildError when it cannot be
-    built or loaded, and keeps raising the same error without retrying."""
-    global _lib, _error
-    if _lib is not None:  # every layer of every step comes here
-        return _lib
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                lib = ctypes.CDLL(str(build()))
-            except OSError as e:
-                _error = KernelBuildError(f"could not load the paged decode kernel: {e}")
-            except KernelBuildError as e:
-                _error = e
-            else:
-                _declare(lib)
-                _lib = lib
-        if _error is not None:
-            raise _error
-        return _lib
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.pd_validate.argtypes = [p, p, i64, i32, i32, i32, i64, ctypes.POINTER(i32),
-                                ctypes.POINTER(i64)]
-    lib.pd_validate.restype = i32
-    lib.pd_decode.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32,
-                              ctypes.c_float, i32, i32, i32]
-    lib.pd_decode.restype = i32
 
 
 def _shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out):

@@ -1,0 +1,150 @@
+/* The element-wise work of a decoder layer, one pass over memory each: residual add fused
+ * with RMSNorm, RoPE in place on the Q/K heads of the fused QKV rows, and SiLU(gate) * up.
+ *
+ * In eager torch each of these is 4-8 kernels (casts, pow, mean, rsqrt, muls, a cat for
+ * rotate-half), each a pass over the rows and a dispatch; at the token counts of a CPU step
+ * that was ~10 % of the step. Math is float32 throughout; a bfloat16 result is rounded once
+ * at the end (the torch reference rounds after every op, so the two differ by a rounding).
+ *
+ * dtype codes: 0 = float32, 1 = bfloat16 (the upper half of a float32). Rows are split
+ * over threads only when there are enough elements to pay for waking them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define DT_F32 0
+#define DT_BF16 1
+#define PARALLEL_MIN_ELEMS 65536
+#define CHUNK 512 /* elements widened to float32 at a time */
+
+static inline uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+/* Widen n elements of a row to float32. */
+static inline void widen(float *dst, const void *src, int64_t off, int n, int dt)
+{
+    if (dt == DT_F32) {
+        memcpy(dst, (const float *)src + off, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src + off;
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)s[i] << 16;
+        memcpy(&dst[i], &u, sizeof u);
+    }
+}
+
+static inline void narrow(void *dst, int64_t off, const float *src, int n, int dt)
+{
+    if (dt == DT_F32) {
+        memcpy((float *)dst + off, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst + off;
+#pragma omp simd
+    for (int i = 0; i < n; i++)
+        d[i] = to_bf16(src[i]);
+}
+
+/* x [T, H] (row stride x_stride) += delta [T, H] (contiguous; NULL: no add), stored back
+ * in dt; out [T, H] (contiguous) = weight * x / sqrt(mean(x^2) + eps). */
+void lo_add_rms_norm(void *x, int64_t x_stride, const void *delta, const void *weight,
+                     void *out, int64_t T, int H, float eps, int dt, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (T * H >= PARALLEL_MIN_ELEMS && num_threads > 1)
+    for (int64_t t = 0; t < T; t++) {
+        float a[CHUNK], b[CHUNK];
+        const int64_t row = t * x_stride;
+        float ss = 0.f;
+        for (int i0 = 0; i0 < H; i0 += CHUNK) {
+            const int n = H - i0 < CHUNK ? H - i0 : CHUNK;
+            widen(a, x, row + i0, n, dt);
+            if (delta) {
+                widen(b, delta, t * H + i0, n, dt);
+#pragma omp simd
+                for (int i = 0; i < n; i++)
+                    a[i] += b[i];
+                /* the residual stream is kept in dt: the norm sees the stored value */
+                narrow(x, row + i0, a, n, dt);
+                widen(a, x, row + i0, n, dt);
+            }
+#pragma omp simd reduction(+ : ss)
+            for (int i = 0; i < n; i++)
+                ss += a[i] * a[i];
+        }
+        const float r = 1.f / sqrtf(ss / (float)H + eps);
+        for (int i0 = 0; i0 < H; i0 += CHUNK) {
+            const int n = H - i0 < CHUNK ? H - i0 : CHUNK;
+            widen(a, x, row + i0, n, dt);
+            widen(b, weight, i0, n, dt);
+#pragma omp simd
+            for (int i = 0; i < n; i++)
+                a[i] = a[i] * r * b[i];
+            narrow(out, t * H + i0, a, n, dt);
+        }
+    }
+}
+
+/* Rotate-half RoPE in place on `heads` heads of D (even, <= 2 * CHUNK) at the start of
+ * each row of qk (row stride row_stride elements, heads packed), with cos/sin tables
+ * [max_pos, D] in dt. Returns the first row whose position is outside 0..max_pos-1
+ * (nothing written), or -1. */
+int64_t lo_rope(void *qk, int64_t row_stride, const int64_t *positions, const void *cos_t,
+                const void *sin_t, int64_t max_pos, int64_t T, int heads, int D, int dt,
+                int num_threads)
+{
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos)
+            return t;
+    const int half = D / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (T * heads * D >= PARALLEL_MIN_ELEMS && num_threads > 1)
+    for (int64_t t = 0; t < T; t++) {
+        float c[2 * CHUNK], s[2 * CHUNK], x[2 * CHUNK], y[2 * CHUNK];
+        const int64_t p = positions[t] * D;
+        widen(c, cos_t, p, D, dt);
+        widen(s, sin_t, p, D, dt);
+        for (int h = 0; h < heads; h++) {
+            const int64_t off = t * row_stride + (int64_t)h * D;
+            widen(x, qk, off, D, dt);
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                y[i] = x[i] * c[i] - x[i + half] * s[i];
+                y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+            }
+            narrow(qk, off, y, D, dt);
+        }
+    }
+    return -1;
+}
+
+/* out [T, I] (contiguous) = silu(gate_up[:, :I]) * gate_up[:, I:] (gate_up [T, 2I],
+ * contiguous). */
+void lo_silu_mul(const void *gate_up, void *out, int64_t T, int I, int dt, int num_threads)
+{
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (T * I >= PARALLEL_MIN_ELEMS && num_threads > 1)
+    for (int64_t t = 0; t < T; t++) {
+        float g[CHUNK], u[CHUNK];
+        const int64_t row = t * 2 * (int64_t)I;
+        for (int i0 = 0; i0 < I; i0 += CHUNK) {
+            const int n = I - i0 < CHUNK ? I - i0 : CHUNK;
+            widen(g, gate_up, row + i0, n, dt);
+            widen(u, gate_up, row + I + i0, n, dt);
+#pragma omp simd
+            for (int i = 0; i < n; i++)
+                g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            narrow(out, t * I + i0, g, n, dt);
+        }
+    }
+}
