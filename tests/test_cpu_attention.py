@@ -1,5 +1,6 @@
-"""The `cpu` backend's paged decode kernel against the torch reference, its input checks,
-the backend on a mixed step, its selection by `auto`, and engine-level greedy parity."""
+"""The `cpu` backend's paged decode and prefill kernels against the torch references, their
+input checks, the backend on mixed steps, its selection by `auto`, and engine-level greedy
+parity."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ from conftest import assert_pool_clean, tiny_engine
 
 from engine.attention import AttentionMetadata, backend, get_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend, decode_attention_reference
+from engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    decode_attention_reference,
+    prefill_attention_reference,
+)
 from engine.cpu_kernels import build
 from engine.cpu_kernels.build import KernelBuildError
 from engine.cpu_kernels.paged_decode import paged_decode_attention
+from engine.cpu_kernels.paged_prefill import paged_prefill_attention
 from engine.sampling_params import SamplingParams
 
 PAD = -7  # table entries past a sequence's blocks: never read, so never checked
@@ -142,6 +148,92 @@ def test_bad_input_raises(kwargs, match):
         paged_decode_attention(**kwargs)
 
 
+def _prefill_inputs(chunks, bs, hq, hkv, d, seed=0):
+    """(query_len, seq_len) per chunk: float32 query rows, caches and tables."""
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = _tables([s for _, s in chunks], bs, gen)
+    k = torch.randn(num_blocks, bs, hkv, d, generator=gen)
+    v = torch.randn(num_blocks, bs, hkv, d, generator=gen)
+    q = torch.randn(sum(c for c, _ in chunks), hq, d, generator=gen)
+    return q, k, v, tables
+
+
+def _prefill_ref(q, k, v, chunks, tables, scale):
+    starts = [0]
+    for c, _ in chunks:
+        starts.append(starts[-1] + c)
+    return prefill_attention_reference(q, k, v, starts, [s for _, s in chunks],
+                                       tables.clamp(min=0), scale)
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])  # GQA ratios 1, 3, 8
+def test_prefill_kernel_matches_reference(bs, d, hq, hkv):
+    # (query_len, seq_len): fresh prompts at block edges, chunks over a cached prefix that
+    # ends mid-block, and a chunk longer than one tile of query tokens (64 // G)
+    chunks = [(1, 1), (bs - 1, bs - 1), (bs, bs), (bs + 1, bs + 1), (5, 7 * bs + 3),
+              (3 * bs + 2, 5 * bs), (70, 70)]
+    q, k, v, tables = _prefill_inputs(chunks, bs, hq, hkv, d, seed=bs + d + hq)
+    scale = d ** -0.5
+    qlens, lens = [c for c, _ in chunks], [s for _, s in chunks]
+    out = paged_prefill_attention(q, k, v, qlens, lens, tables, scale)
+    # float32 throughout; only summation order and the vectorised exp2 differ
+    torch.testing.assert_close(out, _prefill_ref(q, k, v, chunks, tables, scale),
+                               atol=1e-5, rtol=1e-5)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = paged_prefill_attention(qb, kb, vb, qlens, lens, tables, scale)
+    assert out.dtype == torch.bfloat16
+    # bf16 values widened exactly, float32 math, one rounding at the end: half a bf16 ulp
+    # from float32 math on the same values (see test_kernel_matches_reference)
+    exact = _prefill_ref(qb.float(), kb.float(), vb.float(), chunks, tables, scale)
+    torch.testing.assert_close(out.float(), exact, atol=1e-3, rtol=2 ** -8)
+
+
+def test_prefill_kernel_strided_query_out_and_mixed_dtypes():
+    chunks = [(20, 20), (9, 40)]
+    q, k, v, tables = _prefill_inputs(chunks, 16, 6, 2, 64, seed=3)
+    fused = torch.randn(29, 10, 64)  # q as a slice of fused QKV rows: a token stride
+    fused[:, :6] = q
+    out = torch.full((29, 6, 64), float("nan"))
+    got = paged_prefill_attention(fused[:, :6], k, v, [20, 9], [20, 40], tables, 0.125,
+                                  out=out)
+    assert got is out
+    ref = _prefill_ref(q, k, v, chunks, tables, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    kb, vb = k.bfloat16(), v.bfloat16()  # float32 query over a bf16 cache
+    out = paged_prefill_attention(q, kb, vb, [20, 9], [20, 40], tables, 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, _prefill_ref(q, kb.float(), vb.float(), chunks, tables,
+                                                 0.125), atol=1e-5, rtol=1e-5)
+
+
+def _bad_prefill_inputs():
+    q, k, v, tables = _prefill_inputs([(5, 5), (4, 20)], 16, 4, 2, 64)
+    n = k.shape[0]
+    oob = tables.clone()
+    oob[1, 1] = n
+    ok = dict(query=q, k_cache=k, v_cache=v, query_lens=[5, 4], seq_lens=[5, 20],
+              block_tables=tables, scale=0.125)
+    return [
+        (dict(ok, query=q[:, :, :40].contiguous(), k_cache=k[..., :40].contiguous(),
+              v_cache=v[..., :40].contiguous()), "multiple of 16"),
+        (dict(ok, query_lens=[5, 3]), "sum to 8, not the 9"),
+        (dict(ok, query_lens=[5, 4], seq_lens=[5, 3]), "query length 4 must be in 1..seq_len"),
+        (dict(ok, query_lens=[0, 9], seq_lens=[5, 20]), "query length 0"),
+        (dict(ok, block_tables=oob), f"block id {n}"),
+        (dict(ok, seq_lens=[5, 49]), r"seq_lens\[1\] = 49"),
+        (dict(ok, block_tables=tables[:1]), "block_tables"),
+        (dict(ok, query=q.half()), "query dtype"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs,match", _bad_prefill_inputs())
+def test_prefill_bad_input_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        paged_prefill_attention(**kwargs)
+
+
 def _step(seqs: list[tuple[int, int]], num_decodes: int, bs: int, gen: torch.Generator):
     """AttentionMetadata for (query_len, seq_len) per sequence, on shuffled blocks."""
     tables, num_blocks = _tables([s for _, s in seqs], bs, gen)
@@ -160,35 +252,50 @@ def _step(seqs: list[tuple[int, int]], num_decodes: int, bs: int, gen: torch.Gen
     return meta, num_blocks
 
 
-# row_seqs: how many leading sequences the kernel takes; all of them while every chunk's
-# context is within ROWWISE_PREFILL_MAX_CONTEXT, else only the decodes
-@pytest.mark.parametrize("seqs,num_decodes,dtype,atol,row_seqs", [
-    ([(1, 1), (1, 16), (1, 17), (1, 90), (20, 20), (7, 40), (16, 33)], 4, torch.float32, 1e-5,
-     7),
-    ([(1, 5), (1, 70)], 2, torch.float32, 1e-5, 2),  # decode-only step
-    ([(9, 9), (30, 64)], 0, torch.float32, 1e-5, 2),  # prefill-only step
-    # one chunk past the float32 limit: its step's chunks all go to the reference
-    ([(1, 40), (1, 513), (9, 9), (30, 530), (5, 21)], 2, torch.float32, 1e-5, 2),
-    ([(40, 600), (24, 40)], 0, torch.float32, 1e-5, 0),
-    # bf16: see test_kernel_matches_reference; 600 and 700 are within its limit
-    ([(1, 33), (12, 50), (40, 600), (70, 700)], 1, torch.bfloat16, 3e-2, 4),
-])
-def test_backend_matches_torch_backend(seqs, num_decodes, dtype, atol, row_seqs):
+def _cpu_vs_torch_backend(seqs, num_decodes, dtype, atol, d=64):
+    """Runs one step through both backends; returns the cpu backend after asserting the
+    outputs agree."""
     gen = torch.Generator().manual_seed(0)
     meta, num_blocks = _step(seqs, num_decodes, 16, gen)
     t = len(meta.slot_mapping)
-    k_cache = torch.randn(num_blocks, 16, 2, 64, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, 16, 2, 64, generator=gen).to(dtype)
-    kv = torch.randn(2, t, 2, 64, generator=gen).to(dtype)
-    query = torch.randn(t, 6, 64, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, 16, 2, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, 16, 2, d, generator=gen).to(dtype)
+    kv = torch.randn(2, t, 2, d, generator=gen).to(dtype)
+    query = torch.randn(t, 6, d, generator=gen).to(dtype)
     outs = []
     for be in (TorchAttentionBackend(), CpuAttentionBackend()):
         kc, vc = k_cache.clone(), v_cache.clone()
         be.store_kv(kv[0], kv[1], kc, vc, meta.slot_mapping)
         outs.append(be.forward(query, kc, vc, meta, 0.125))
-    assert be._row_seqs == row_seqs
     assert outs[1].shape == query.shape and outs[1].dtype == dtype
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
+    return be
+
+
+# row_seqs: how many leading sequences the decode kernel takes; all of them while every
+# chunk's context is within ROWWISE_PREFILL_MAX_CONTEXT, else only the decodes, and the
+# prefill kernel takes the chunks
+@pytest.mark.parametrize("seqs,num_decodes,dtype,atol,row_seqs", [
+    ([(1, 1), (1, 16), (1, 17), (1, 90), (20, 20), (7, 40), (16, 33)], 4, torch.float32, 1e-5,
+     7),
+    ([(1, 5), (1, 70)], 2, torch.float32, 1e-5, 2),  # decode-only step
+    ([(9, 9), (30, 64)], 0, torch.float32, 1e-5, 2),  # prefill-only step
+    # one chunk past the float32 limit: the step's chunks all go to the prefill kernel
+    ([(1, 40), (1, 513), (9, 9), (30, 530), (5, 21)], 2, torch.float32, 1e-5, 2),
+    ([(40, 600), (24, 40)], 0, torch.float32, 1e-5, 0),
+    # bf16: see test_kernel_matches_reference; 600 and 700 are within its limit, 2100 not
+    ([(1, 33), (12, 50), (40, 600), (70, 700)], 1, torch.bfloat16, 3e-2, 4),
+    ([(1, 33), (12, 50), (40, 2100)], 1, torch.bfloat16, 3e-2, 1),
+])
+def test_backend_matches_torch_backend(seqs, num_decodes, dtype, atol, row_seqs):
+    be = _cpu_vs_torch_backend(seqs, num_decodes, dtype, atol)
+    assert be._row_seqs == row_seqs
+
+
+def test_backend_head_dim_the_prefill_kernel_lacks():
+    # head_dim 40: the decode kernel takes it, the prefill chunks go to the torch reference
+    be = _cpu_vs_torch_backend([(1, 30), (300, 300)], 1, torch.float32, 1e-5, d=40)
+    assert be._row_seqs == 1
 
 
 def test_auto_picks_cpu_and_falls_back_to_torch(monkeypatch, caplog):

@@ -1,11 +1,12 @@
-"""The `cpu` attention backend: the paged C kernel for decodes and short prefill chunks,
-the torch reference for the rest.
+"""The `cpu` attention backend: the paged C kernels, which read each sequence's K/V blocks
+in place through its block table instead of gathering them for SDPA.
 
-The kernel (engine/cpu_kernels/paged_decode.c) reads each sequence's K/V blocks in place
-through its block table instead of gathering them into a padded batch for SDPA. A prefill
-chunk is run through it too, one row per query token with that token's causal context,
-when its context is short enough that re-reading the (cache-resident) K/V per token is
-still cheaper than SDPA: see ROWWISE_PREFILL_MAX_CONTEXT.
+Decodes go through the decode kernel (engine/cpu_kernels/paged_decode.c). Prefill chunks
+go through the prefill kernel (paged_prefill.c, query tiles against K/V tiles), except in
+steps where every chunk's context is short: there the decode kernel takes them too, one row
+per query token with that token's causal context, which costs less than setting up tiles
+(see ROWWISE_PREFILL_MAX_CONTEXT). Head dims the prefill kernel does not take (not a
+multiple of 16) fall back to the torch reference.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from engine.attention.backend import AttentionMetadata, register_backend
 from engine.attention.torch_backend import DecodeThenPrefillBackend
 from engine.cpu_kernels.library import load
 from engine.cpu_kernels.paged_decode import paged_decode_attention
+from engine.cpu_kernels.paged_prefill import paged_prefill_attention, supports_head_dim
 
 # The longest context (prefix + chunk) for which a step's prefill chunks go through the
-# kernel row-wise. Per layer, 2 threads, against the SDPA reference (docs/benchmarks.md
-# section 1): bfloat16 1.2-3x faster up to 4k tokens of context (its SDPA runs at ~60
-# GFLOP/s); float32 2-3.6x faster up to 128, 1.35x at 512, slower from 1k on.
-ROWWISE_PREFILL_MAX_CONTEXT = {torch.float32: 512, torch.bfloat16: 4096}
+# decode kernel row-wise rather than the prefill kernel. Per layer, 2 threads, SmolLM2's
+# heads (docs/benchmarks.md section 1): row-wise is ahead up to ~256 tokens in float32 and
+# ~1-2k in bfloat16 (the decode kernel's q.k is vdpbf16ps there), the prefill kernel from
+# then on (float32 at 512: 3.2 vs 3.8 ms; at 2k + 2k of prefix: 117 vs 188 ms).
+ROWWISE_PREFILL_MAX_CONTEXT = {torch.float32: 256, torch.bfloat16: 2048}
 
 
 @register_backend
@@ -53,3 +56,11 @@ class CpuAttentionBackend(DecodeThenPrefillBackend):
         n = query.shape[0]
         return paged_decode_attention(query, k_cache, v_cache, self._lens[:n],
                                       self._tables[:n], scale, out=out)
+
+    def _prefill(self, query, k_cache, v_cache, meta, first_seq, scale, out):
+        if not supports_head_dim(query.shape[-1]):
+            super()._prefill(query, k_cache, v_cache, meta, first_seq, scale, out)
+            return
+        paged_prefill_attention(query, k_cache, v_cache, meta.query_lens_cpu[first_seq:],
+                                meta.seq_lens_cpu[first_seq:], meta.block_tables[first_seq:],
+                                scale, out=out)

@@ -172,8 +172,9 @@ def decode_attention_bucketed(query, k_cache, v_cache, plans: list[DecodePlan],
 class DecodeThenPrefillBackend(AttentionBackend):
     """A step as two parts. The leading sequences that `_plan` picks (the decodes at least)
     go through `_decode`, one row per query token, each row attending to its own context;
-    the remaining prefill chunks go through `prefill_attention_reference`. What a step needs
-    planned is planned at its first layer and reused by the others."""
+    the remaining prefill chunks go through `_prefill` (`prefill_attention_reference`
+    unless a subclass has better). What a step needs planned is planned at its first layer
+    and reused by the others."""
 
     def __init__(self) -> None:
         self._planned_for: AttentionMetadata | None = None
@@ -209,10 +210,17 @@ class DecodeThenPrefillBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if rows:
             self._decode(query[:rows], k_cache, v_cache, meta, scale, out=out[:rows])
-        out[rows:] = prefill_attention_reference(
-            query[rows:], k_cache, v_cache, self._prefill_starts, meta.seq_lens_cpu[seqs:],
-            meta.block_tables[seqs:], scale)
+        self._prefill(query[rows:], k_cache, v_cache, meta, seqs, scale, out[rows:])
         return out
+
+    def _prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, first_seq: int, scale: float, out: torch.Tensor
+                 ) -> None:
+        """Attention of the prefill chunks of sequences first_seq.. (query: their rows)
+        into `out` (contiguous)."""
+        out.copy_(prefill_attention_reference(
+            query, k_cache, v_cache, self._prefill_starts, meta.seq_lens_cpu[first_seq:],
+            meta.block_tables[first_seq:], scale))
 
 
 @register_backend

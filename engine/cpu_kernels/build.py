@@ -17,7 +17,8 @@ import shutil
 import subprocess
 import tempfile
 
-SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("paged_decode.c", "layer_ops.c"))
+SOURCES = tuple(pathlib.Path(__file__).with_name(n)
+                for n in ("paged_decode.c", "paged_prefill.c", "layer_ops.c"))
 # -ffast-math lets gcc vectorise the float reductions (dot products, sums) and exp2f;
 # -fopenmp resolves to the libgomp torch has already loaded (same soname), so the kernel
 # shares torch's thread pool instead of starting a second one on the same cores.

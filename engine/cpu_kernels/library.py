@@ -46,6 +46,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_decode.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32,
                               i32, i32]
     lib.pd_decode.restype = i32
+    # paged_prefill.c
+    lib.pf_prefill.argtypes = [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, i32,
+                               i32, i32]
+    lib.pf_prefill.restype = i32
     # layer_ops.c
     lib.lo_add_rms_norm.argtypes = [p, i64, p, p, p, i64, i32, f32, i32, i32]
     lib.lo_add_rms_norm.restype = None

@@ -17,9 +17,11 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
 
 
-def _shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out):
-    """Why these tensors cannot be passed to the kernel, or None. Conditions first and
-    messages only on failure: this runs for every layer of every step."""
+def shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out, num_seqs=None):
+    """Why these tensors cannot be passed to a paged kernel, or None; seq_lens and
+    block_tables have one row per sequence (num_seqs, default: one per query row).
+    Conditions first and messages only on failure: this runs for every layer of every
+    step."""
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("seq_lens", seq_lens), ("block_tables", block_tables), ("out", out)):
         if t is not None and t.device.type != "cpu":
@@ -37,7 +39,8 @@ def _shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out):
                 f"{tuple(v_cache.shape)}, {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "k_cache and v_cache must be contiguous"
-    b, hq, d = query.shape
+    t, hq, d = query.shape
+    b = t if num_seqs is None else num_seqs
     hkv, dk = k_cache.shape[2:]
     if dk != d:
         return f"query head_dim {d} != k_cache head_dim {dk}"
@@ -56,11 +59,28 @@ def _shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out):
             or (block_tables.shape[1] > 1 and block_tables.stride(1) != 1)):
         return (f"block_tables must be int32 [{b}, max_blocks] with contiguous rows, got "
                 f"{block_tables.dtype} {tuple(block_tables.shape)}")
-    if out is not None and (out.shape != (b, hq, d) or out.dtype != query.dtype
+    if out is not None and (out.shape != (t, hq, d) or out.dtype != query.dtype
                             or not out.is_contiguous()):
-        return (f"out must be a contiguous {query.dtype} [{b}, {hq}, {d}], got {out.dtype} "
+        return (f"out must be a contiguous {query.dtype} [{t}, {hq}, {d}], got {out.dtype} "
                 f"{tuple(out.shape)}")
     return None
+
+
+def check_tables(seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor
+                 ) -> None:
+    """ValueError unless every length fits its table row and every block id it reaches is
+    inside the cache (read in C: only the int32 tables)."""
+    num_blocks, block_size = k_cache.shape[:2]
+    row, value = ctypes.c_int(), ctypes.c_int64()
+    bad = load().pd_validate(seq_lens.data_ptr(), block_tables.data_ptr(),
+                             block_tables.stride(0), seq_lens.shape[0], block_tables.shape[1],
+                             block_size, num_blocks, ctypes.byref(row), ctypes.byref(value))
+    if bad == 1:
+        raise ValueError(f"seq_lens[{row.value}] = {value.value} must be in 1.."
+                         f"{block_tables.shape[1] * block_size} (max_blocks * block_size)")
+    if bad == 2:
+        raise ValueError(f"block_tables row {row.value} uses block id {value.value}, outside "
+                         f"the cache's 0..{num_blocks - 1}")
 
 
 def paged_decode_attention(
@@ -75,27 +95,16 @@ def paged_decode_attention(
     """softmax(scale * q·K[:seq_len]) · V[:seq_len] per sequence and query head; query head
     h reads KV head h // (Hq // Hkv). Returns `out` (allocated when not given)."""
     lib = load()
-    err = _shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out)
+    err = shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out)
     if err:
         raise ValueError(err)
     b, hq, d = query.shape
-    num_blocks, block_size, hkv = k_cache.shape[:3]
+    block_size, hkv = k_cache.shape[1:3]
     if out is None:
         out = torch.empty((b, hq, d), dtype=query.dtype)
     if b == 0:
         return out
-
-    row, value = ctypes.c_int(), ctypes.c_int64()
-    bad = lib.pd_validate(seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                          b, block_tables.shape[1], block_size, num_blocks,
-                          ctypes.byref(row), ctypes.byref(value))
-    if bad == 1:
-        raise ValueError(f"seq_lens[{row.value}] = {value.value} must be in 1.."
-                         f"{block_tables.shape[1] * block_size} (max_blocks * block_size)")
-    if bad == 2:
-        raise ValueError(f"block_tables row {row.value} uses block id {value.value}, outside "
-                         f"the cache's 0..{num_blocks - 1}")
-
+    check_tables(seq_lens, block_tables, k_cache)
     rc = lib.pd_decode(query.data_ptr(), query.stride(0), k_cache.data_ptr(),
                        v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, block_size,
