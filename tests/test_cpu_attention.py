@@ -253,8 +253,7 @@ def _step(seqs: list[tuple[int, int]], num_decodes: int, bs: int, gen: torch.Gen
 
 
 def _cpu_vs_torch_backend(seqs, num_decodes, dtype, atol, d=64):
-    """Runs one step through both backends; returns the cpu backend after asserting the
-    outputs agree."""
+    """Runs one step through both backends and asserts their outputs agree."""
     gen = torch.Generator().manual_seed(0)
     meta, num_blocks = _step(seqs, num_decodes, 16, gen)
     t = len(meta.slot_mapping)
@@ -269,33 +268,27 @@ def _cpu_vs_torch_backend(seqs, num_decodes, dtype, atol, d=64):
         outs.append(be.forward(query, kc, vc, meta, 0.125))
     assert outs[1].shape == query.shape and outs[1].dtype == dtype
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
-    return be
 
 
-# row_seqs: how many leading sequences the decode kernel takes; all of them while every
-# chunk's context is within ROWWISE_PREFILL_MAX_CONTEXT, else only the decodes, and the
-# prefill kernel takes the chunks
-@pytest.mark.parametrize("seqs,num_decodes,dtype,atol,row_seqs", [
-    ([(1, 1), (1, 16), (1, 17), (1, 90), (20, 20), (7, 40), (16, 33)], 4, torch.float32, 1e-5,
-     7),
-    ([(1, 5), (1, 70)], 2, torch.float32, 1e-5, 2),  # decode-only step
-    ([(9, 9), (30, 64)], 0, torch.float32, 1e-5, 2),  # prefill-only step
-    # one chunk past the float32 limit: the step's chunks all go to the prefill kernel
-    ([(1, 40), (1, 513), (9, 9), (30, 530), (5, 21)], 2, torch.float32, 1e-5, 2),
-    ([(40, 600), (24, 40)], 0, torch.float32, 1e-5, 0),
-    # bf16: see test_kernel_matches_reference; 600 and 700 are within its limit, 2100 not
-    ([(1, 33), (12, 50), (40, 600), (70, 700)], 1, torch.bfloat16, 3e-2, 4),
-    ([(1, 33), (12, 50), (40, 2100)], 1, torch.bfloat16, 3e-2, 1),
+@pytest.mark.parametrize("seqs,num_decodes,dtype,atol", [
+    ([(1, 1), (1, 16), (1, 17), (1, 90), (20, 20), (7, 40), (16, 33)], 4, torch.float32, 1e-5),
+    ([(1, 5), (1, 70)], 2, torch.float32, 1e-5),  # decode-only step
+    ([(9, 9), (30, 64)], 0, torch.float32, 1e-5),  # prefill-only step
+    ([(1, 40), (1, 513), (9, 9), (30, 530), (5, 21)], 2, torch.float32, 1e-5),
+    # bf16: see test_kernel_matches_reference
+    ([(1, 33), (12, 50), (40, 600), (70, 700)], 1, torch.bfloat16, 3e-2),
 ])
-def test_backend_matches_torch_backend(seqs, num_decodes, dtype, atol, row_seqs):
-    be = _cpu_vs_torch_backend(seqs, num_decodes, dtype, atol)
-    assert be._row_seqs == row_seqs
+def test_backend_matches_torch_backend(seqs, num_decodes, dtype, atol):
+    _cpu_vs_torch_backend(seqs, num_decodes, dtype, atol)
 
 
-def test_backend_head_dim_the_prefill_kernel_lacks():
+def test_backend_head_dim_the_prefill_kernel_lacks(monkeypatch):
     # head_dim 40: the decode kernel takes it, the prefill chunks go to the torch reference
-    be = _cpu_vs_torch_backend([(1, 30), (300, 300)], 1, torch.float32, 1e-5, d=40)
-    assert be._row_seqs == 1
+    def refuse(*args, **kwargs):
+        raise AssertionError("the prefill kernel was called for head_dim 40")
+
+    monkeypatch.setattr("engine.attention.cpu_backend.paged_prefill_attention", refuse)
+    _cpu_vs_torch_backend([(1, 30), (300, 300)], 1, torch.float32, 1e-5, d=40)
 
 
 def test_auto_picks_cpu_and_falls_back_to_torch(monkeypatch, caplog):

@@ -170,57 +170,49 @@ def decode_attention_bucketed(query, k_cache, v_cache, plans: list[DecodePlan],
 
 
 class DecodeThenPrefillBackend(AttentionBackend):
-    """A step as two parts. The leading sequences that `_plan` picks (the decodes at least)
-    go through `_decode`, one row per query token, each row attending to its own context;
-    the remaining prefill chunks go through `_prefill` (`prefill_attention_reference`
-    unless a subclass has better). What a step needs planned is planned at its first layer
-    and reused by the others."""
+    """A step as two parts: the decode rows through `_decode`, the prefill chunks through
+    `_prefill` (`prefill_attention_reference` unless a subclass has better). What a step
+    needs planned is planned at its first layer and reused by the others."""
 
     def __init__(self) -> None:
         self._planned_for: AttentionMetadata | None = None
-        self._row_seqs = 0  # leading sequences handled row-wise by `_decode`
-        self._rows = 0  # their query tokens
         self._prefill_starts: list[int] = []
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
-    def _plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
-        """Per-step planning; returns how many leading sequences `_decode` takes (at least
-        `meta.num_decodes`)."""
-        return meta.num_decodes
+    def _plan_decodes(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Per-step decode planning; nothing by default."""
 
     @abstractmethod
     def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """Attention of the step's first query.shape[0] token rows, each as one query over
-        its context, into `out` (contiguous) when given; returns the result."""
-
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        if self._planned_for is not meta:
-            self._row_seqs = self._plan(meta, k_cache)
-            self._rows = sum(meta.query_lens_cpu[:self._row_seqs])
-            self._prefill_starts = list(accumulate(meta.query_lens_cpu[self._row_seqs:],
-                                                   initial=0))
-            self._planned_for = meta
-        seqs, rows = self._row_seqs, self._rows
-        if seqs == meta.num_seqs:
-            return self._decode(query, k_cache, v_cache, meta, scale)
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if rows:
-            self._decode(query[:rows], k_cache, v_cache, meta, scale, out=out[:rows])
-        self._prefill(query[rows:], k_cache, v_cache, meta, seqs, scale, out[rows:])
-        return out
+        """Attention of the step's decode rows (query [num_decodes, Hq, D]), into `out`
+        (contiguous) when given; returns the result."""
 
     def _prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, first_seq: int, scale: float, out: torch.Tensor
-                 ) -> None:
-        """Attention of the prefill chunks of sequences first_seq.. (query: their rows)
-        into `out` (contiguous)."""
+                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Attention of the step's prefill chunks (query: their rows) into `out`
+        (contiguous)."""
+        nd = meta.num_decodes
         out.copy_(prefill_attention_reference(
-            query, k_cache, v_cache, self._prefill_starts, meta.seq_lens_cpu[first_seq:],
-            meta.block_tables[first_seq:], scale))
+            query, k_cache, v_cache, self._prefill_starts, meta.seq_lens_cpu[nd:],
+            meta.block_tables[nd:], scale))
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        nd = meta.num_decodes
+        if self._planned_for is not meta:
+            self._prefill_starts = list(accumulate(meta.query_lens_cpu[nd:], initial=0))
+            self._plan_decodes(meta, k_cache.shape[1])
+            self._planned_for = meta
+        if nd == meta.num_seqs:
+            return self._decode(query, k_cache, v_cache, meta, scale)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if nd:
+            self._decode(query[:nd], k_cache, v_cache, meta, scale, out=out[:nd])
+        self._prefill(query[nd:], k_cache, v_cache, meta, scale, out[nd:])
+        return out
 
 
 @register_backend
@@ -231,12 +223,11 @@ class TorchAttentionBackend(DecodeThenPrefillBackend):
         super().__init__()
         self._decode_plans: list[DecodePlan] = []
 
-    def _plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
+    def _plan_decodes(self, meta: AttentionMetadata, block_size: int) -> None:
         nd = meta.num_decodes
         self._decode_plans = plan_decode_buckets(
             meta.seq_lens[:nd], meta.seq_lens_cpu[:nd], meta.block_tables[:nd],
-            k_cache.shape[1]) if nd else []
-        return nd
+            block_size) if nd else []
 
     def _decode(self, query, k_cache, v_cache, meta, scale, out=None):
         res = decode_attention_bucketed(query, k_cache, v_cache, self._decode_plans, scale)

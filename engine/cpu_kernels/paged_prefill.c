@@ -33,8 +33,7 @@
 #define DT_BF16 1
 #define BK 32   /* keys per tile */
 #define ROWS 64 /* query rows (tokens x grouped heads) per work item, at most */
-#define RB 8    /* rows per score micro-tile */
-#define PV_ROWS 4
+#define RB 8    /* the portable path pads rows to a multiple of this */
 /* Masked scores and the softmax's starting maximum: finite, since -ffast-math assumes no
  * infinities; exp2f of anything this negative is 0. */
 #define NEG_BIG (-1e30f)
@@ -77,33 +76,195 @@ static inline uint16_t to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
-/* S[r][j] = Qs[r] . K[j] for rows 0..rp-1 (a multiple of RB); Kt is K transposed, [D][BK]. */
+#ifdef __AVX512F__
+#define INLINE static inline __attribute__((always_inline))
+
+/* 2^x for x <= 128: 2^round(x) (vscalefps) times a degree-6 polynomial for 2^f, f in
+ * [-0.5, 0.5] (Taylor; relative error ~1e-7). NEG_BIG gives 0. */
+INLINE __m512 exp2_ps(__m512 x)
+{
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* St[j][r] = Q[r] . K[j] for keys j < BK, row vectors v < RV (16 rows each): Qt is Q
+ * transposed [D][RV*16], K rows [BK][D] float32. Four keys x RV vectors per pass. */
+INLINE void scores_t(const float *restrict Qt, const float *restrict K, float *restrict St,
+                     int D, int RV)
+{
+    const int W = RV * 16;
+    for (int j = 0; j < BK; j += 4) {
+        __m512 a[4][4];
+        for (int jj = 0; jj < 4; jj++)
+            for (int v = 0; v < RV; v++)
+                a[jj][v] = _mm512_setzero_ps();
+        const float *k0 = K + (j + 0) * D, *k1 = K + (j + 1) * D, *k2 = K + (j + 2) * D,
+                    *k3 = K + (j + 3) * D;
+        for (int d = 0; d < D; d++) {
+            const __m512 b0 = _mm512_set1_ps(k0[d]), b1 = _mm512_set1_ps(k1[d]),
+                         b2 = _mm512_set1_ps(k2[d]), b3 = _mm512_set1_ps(k3[d]);
+            for (int v = 0; v < RV; v++) {
+                const __m512 q = _mm512_load_ps(Qt + d * W + 16 * v);
+                a[0][v] = _mm512_fmadd_ps(b0, q, a[0][v]);
+                a[1][v] = _mm512_fmadd_ps(b1, q, a[1][v]);
+                a[2][v] = _mm512_fmadd_ps(b2, q, a[2][v]);
+                a[3][v] = _mm512_fmadd_ps(b3, q, a[3][v]);
+            }
+        }
+        for (int jj = 0; jj < 4; jj++)
+            for (int v = 0; v < RV; v++)
+                _mm512_store_ps(St + (j + jj) * W + 16 * v, a[jj][v]);
+    }
+}
+
+/* Ot[d][r] += sum_j P[j][r] * V[j][d]: four dims x RV vectors per pass. */
+INLINE void accumulate_t(const float *restrict P, const float *restrict V, float *restrict Ot,
+                         int D, int RV)
+{
+    const int W = RV * 16;
+    for (int d = 0; d < D; d += 4) {
+        __m512 a[4][4];
+        for (int dd = 0; dd < 4; dd++)
+            for (int v = 0; v < RV; v++)
+                a[dd][v] = _mm512_load_ps(Ot + (d + dd) * W + 16 * v);
+        for (int j = 0; j < BK; j++) {
+            const float *vr = V + j * D + d;
+            const __m512 b0 = _mm512_set1_ps(vr[0]), b1 = _mm512_set1_ps(vr[1]),
+                         b2 = _mm512_set1_ps(vr[2]), b3 = _mm512_set1_ps(vr[3]);
+            for (int v = 0; v < RV; v++) {
+                const __m512 pv = _mm512_load_ps(P + j * W + 16 * v);
+                a[0][v] = _mm512_fmadd_ps(b0, pv, a[0][v]);
+                a[1][v] = _mm512_fmadd_ps(b1, pv, a[1][v]);
+                a[2][v] = _mm512_fmadd_ps(b2, pv, a[2][v]);
+                a[3][v] = _mm512_fmadd_ps(b3, pv, a[3][v]);
+            }
+        }
+        for (int dd = 0; dd < 4; dd++)
+            for (int v = 0; v < RV; v++)
+                _mm512_store_ps(Ot + (d + dd) * W + 16 * v, a[dd][v]);
+    }
+}
+
+/* One work item with every vector running over query rows (RV vectors of 16): Q and O are
+ * kept transposed, so K and V rows are used as they are (broadcast per element), and the
+ * softmax's max, sum and rescale are plain vector ops across rows. */
+INLINE void item_t(const struct pf_args *a, int p, int h, int tile, float *scr, const int RV)
+{
+    const int G = a->G, D = a->D, bs = a->bs, W = RV * 16;
+    const int qs = a->qstart[p], qlen = a->qstart[p + 1] - qs, prefix = a->lens[p] - qlen;
+    const int i0 = tile * a->BQ, i1 = i0 + a->BQ < qlen ? i0 + a->BQ : qlen;
+    const int R = (i1 - i0) * G;
+    const size_t qe = a->q_dt == DT_F32 ? 4 : 2, ke = a->kv_dt == DT_F32 ? 4 : 2;
+    float *Qt = scr, *Ot = Qt + (size_t)D * W, *St = Ot + (size_t)D * W;
+    float *K = St + (size_t)BK * W, *V = K + (size_t)BK * D;
+    const int32_t *table = a->tables + (int64_t)p * a->bt_stride;
+    float row[512];
+
+    for (int r = 0; r < W; r++) {
+        if (r < R) {
+            const int64_t tok = qs + i0 + r / G, head = (int64_t)h * G + r % G;
+            widen_row(row, (const char *)a->q + (tok * a->q_stride + head * D) * qe, D,
+                      a->q_dt, a->qscale);
+            for (int d = 0; d < D; d++)
+                Qt[d * W + r] = row[d];
+        } else {
+            for (int d = 0; d < D; d++)
+                Qt[d * W + r] = 0.f;
+        }
+    }
+    memset(Ot, 0, (size_t)D * W * sizeof(float));
+    __m512 m[4], l[4];
+    __m512i last[4]; /* each row's last visible key; padding rows: key 0 */
+    int32_t lastv[64];
+    for (int r = 0; r < W; r++)
+        lastv[r] = r < R ? prefix + i0 + r / G : 0;
+    for (int v = 0; v < RV; v++) {
+        m[v] = _mm512_set1_ps(NEG_BIG);
+        l[v] = _mm512_setzero_ps();
+        last[v] = _mm512_loadu_si512(lastv + 16 * v);
+    }
+    const int kend = prefix + i1, kshared = prefix + i0 + 1;
+    for (int k0 = 0; k0 < kend; k0 += BK) {
+        const int nk = kend - k0 < BK ? kend - k0 : BK;
+        for (int j = 0; j < nk; j++) {
+            const int kk = k0 + j;
+            const int64_t off = (((int64_t)table[kk / bs] * bs + kk % bs) * a->Hkv + h) * D;
+            widen_row(K + (size_t)j * D, (const char *)a->k + off * ke, D, a->kv_dt, 1.f);
+            widen_row(V + (size_t)j * D, (const char *)a->v + off * ke, D, a->kv_dt, 1.f);
+        }
+        if (nk < BK) {
+            memset(K + (size_t)nk * D, 0, (size_t)(BK - nk) * D * sizeof(float));
+            memset(V + (size_t)nk * D, 0, (size_t)(BK - nk) * D * sizeof(float));
+        }
+        scores_t(Qt, K, St, D, RV);
+        const int masked = k0 + BK > kshared;
+        for (int v = 0; v < RV; v++) {
+            __m512 mt = m[v];
+            for (int j = 0; j < BK; j++) {
+                __m512 s = _mm512_load_ps(St + j * W + 16 * v);
+                if (masked) {
+                    const __mmask16 hide = _mm512_cmplt_epi32_mask(last[v],
+                                                                   _mm512_set1_epi32(k0 + j));
+                    s = _mm512_mask_mov_ps(s, hide, _mm512_set1_ps(NEG_BIG));
+                    _mm512_store_ps(St + j * W + 16 * v, s);
+                }
+                mt = _mm512_max_ps(mt, s);
+            }
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < BK; j++) {
+                const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_load_ps(St + j * W + 16 * v), mt));
+                _mm512_store_ps(St + j * W + 16 * v, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            const __m512 corr = exp2_ps(_mm512_sub_ps(m[v], mt));
+            l[v] = _mm512_fmadd_ps(l[v], corr, sum);
+            m[v] = mt;
+            if (_mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)))
+                for (int d = 0; d < D; d++)
+                    _mm512_store_ps(Ot + d * W + 16 * v,
+                                    _mm512_mul_ps(_mm512_load_ps(Ot + d * W + 16 * v), corr));
+        }
+        accumulate_t(St, V, Ot, D, RV);
+    }
+    float inv[64];
+    for (int v = 0; v < RV; v++)
+        _mm512_storeu_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.f), l[v]));
+    for (int r = 0; r < R; r++) {
+        const int64_t tok = qs + i0 + r / G, head = (int64_t)h * G + r % G;
+        const int64_t base = (tok * a->Hq + head) * D;
+        for (int d = 0; d < D; d++)
+            row[d] = Ot[d * W + r] * inv[r];
+        if (a->q_dt == DT_F32) {
+            memcpy((float *)a->out + base, row, (size_t)D * sizeof(float));
+        } else {
+            uint16_t *dst = (uint16_t *)a->out + base;
+            for (int d = 0; d < D; d++)
+                dst[d] = to_bf16(row[d]);
+        }
+    }
+}
+#endif
+
+static size_t scratch_floats(const struct pf_args *a)
+{
+    const size_t R = (size_t)a->rmax, D = (size_t)a->D;
+    return 2 * R * D + R * BK + 2 * D * BK + 2 * R;
+}
+
+/* The portable path (no AVX-512): rows one at a time. */
+
+/* S[r][j] = Qs[r] . K[j] for rows 0..rp-1; Kt is K transposed, [D][BK]. */
 static void scores(const float *restrict Qs, const float *restrict Kt, float *restrict S,
                    int rp, int D)
 {
-#ifdef __AVX512F__
-    for (int r = 0; r < rp; r += RB) {
-        __m512 a[RB][2];
-#pragma GCC unroll 8
-        for (int i = 0; i < RB; i++)
-            a[i][0] = a[i][1] = _mm512_setzero_ps();
-        const float *q = Qs + (int64_t)r * D;
-        for (int d = 0; d < D; d++) {
-            const __m512 k0 = _mm512_load_ps(Kt + d * BK), k1 = _mm512_load_ps(Kt + d * BK + 16);
-#pragma GCC unroll 8
-            for (int i = 0; i < RB; i++) {
-                const __m512 b = _mm512_set1_ps(q[i * D + d]);
-                a[i][0] = _mm512_fmadd_ps(b, k0, a[i][0]);
-                a[i][1] = _mm512_fmadd_ps(b, k1, a[i][1]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < RB; i++) {
-            _mm512_store_ps(S + (r + i) * BK, a[i][0]);
-            _mm512_store_ps(S + (r + i) * BK + 16, a[i][1]);
-        }
-    }
-#else
     for (int r = 0; r < rp; r++) {
         float acc[BK] = {0};
         for (int d = 0; d < D; d++) {
@@ -114,42 +275,12 @@ static void scores(const float *restrict Qs, const float *restrict Kt, float *re
         }
         memcpy(S + r * BK, acc, sizeof acc);
     }
-#endif
 }
 
-/* O[r] += sum_j P[r][j] * V[j] for rows 0..rp-1 (a multiple of PV_ROWS); V is [BK][D]. */
+/* O[r] += sum_j P[r][j] * V[j] for rows 0..rp-1; V is [BK][D]. */
 static void accumulate(const float *restrict P, const float *restrict Vs, float *restrict O,
                        int rp, int D)
 {
-#ifdef __AVX512F__
-    for (int dc = 0; dc < D; dc += 64) {
-        const int nv = D - dc >= 64 ? 4 : (D - dc) / 16;
-        for (int r = 0; r < rp; r += PV_ROWS) {
-            __m512 a[PV_ROWS][4];
-#pragma GCC unroll 4
-            for (int i = 0; i < PV_ROWS; i++)
-                for (int v = 0; v < 4; v++)
-                    a[i][v] = v < nv ? _mm512_load_ps(O + (int64_t)(r + i) * D + dc + 16 * v)
-                                     : _mm512_setzero_ps();
-            for (int j = 0; j < BK; j++) {
-                const float *vr = Vs + j * D + dc;
-                __m512 x[4];
-                for (int v = 0; v < 4; v++)
-                    x[v] = v < nv ? _mm512_load_ps(vr + 16 * v) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-                for (int i = 0; i < PV_ROWS; i++) {
-                    const __m512 p = _mm512_set1_ps(P[(r + i) * BK + j]);
-                    for (int v = 0; v < 4; v++)
-                        a[i][v] = _mm512_fmadd_ps(p, x[v], a[i][v]);
-                }
-            }
-#pragma GCC unroll 4
-            for (int i = 0; i < PV_ROWS; i++)
-                for (int v = 0; v < nv; v++)
-                    _mm512_store_ps(O + (int64_t)(r + i) * D + dc + 16 * v, a[i][v]);
-        }
-    }
-#else
     for (int r = 0; r < rp; r++) {
         float *o = O + (int64_t)r * D;
         for (int j = 0; j < BK; j++) {
@@ -159,13 +290,6 @@ static void accumulate(const float *restrict P, const float *restrict Vs, float 
                 o[d] += p * Vs[j * D + d];
         }
     }
-#endif
-}
-
-static size_t scratch_floats(const struct pf_args *a)
-{
-    const size_t R = (size_t)a->rmax, D = (size_t)a->D;
-    return 2 * R * D + R * BK + 2 * D * BK + 2 * R;
 }
 
 static void pf_item(const struct pf_args *a, int p, int h, int tile, float *scr)
@@ -265,6 +389,22 @@ static void pf_item(const struct pf_args *a, int p, int h, int tile, float *scr)
     }
 }
 
+static void run_item(const struct pf_args *a, int p, int h, int tile, float *scr)
+{
+#ifdef __AVX512F__
+    const int qlen = a->qstart[p + 1] - a->qstart[p], i0 = tile * a->BQ;
+    const int R = (i0 + a->BQ < qlen ? a->BQ : qlen - i0) * a->G;
+    switch ((R + 15) / 16) {
+    case 1: item_t(a, p, h, tile, scr, 1); return;
+    case 2: item_t(a, p, h, tile, scr, 2); return;
+    case 3: item_t(a, p, h, tile, scr, 3); return;
+    case 4: item_t(a, p, h, tile, scr, 4); return;
+    default: break; /* more than 64 rows (G > 64): the portable path */
+    }
+#endif
+    pf_item(a, p, h, tile, scr);
+}
+
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when D is not a multiple
  * of 16 or above 512 (the caller uses another path). */
 int pf_prefill(const void *q, int64_t q_stride, const void *k, const void *v,
@@ -278,7 +418,7 @@ int pf_prefill(const void *q, int64_t q_stride, const void *k, const void *v,
     const int BQ = G >= ROWS ? 1 : ROWS / G;
     struct pf_args a = {q, k, v, tables, qstart, lens, out, q_stride, bt_stride, P, Hq, Hkv,
                         D, block_size, q_dt, kv_dt, G, BQ, 0, scale * 1.4426950408889634f};
-    a.rmax = (BQ * G + RB - 1) / RB * RB;
+    a.rmax = (BQ * G + 15) / 16 * 16; /* whole 16-row vectors for either path */
     /* items per chunk: its query tiles x KV heads; a prefix sum maps an item to its chunk */
     int64_t *first = malloc(((size_t)P + 1) * sizeof *first);
     if (!first)
@@ -309,7 +449,7 @@ int pf_prefill(const void *q, int64_t q_stride, const void *k, const void *v,
                 /* a chunk's last tiles (the most keys) first, so no thread ends on one */
                 const int64_t j = i - first[p];
                 const int ntiles = (int)((first[p + 1] - first[p]) / Hkv);
-                pf_item(&a, p, (int)(j % Hkv), ntiles - 1 - (int)(j / Hkv), scratch);
+                run_item(&a, p, (int)(j % Hkv), ntiles - 1 - (int)(j / Hkv), scratch);
             }
             free(scratch);
         }
