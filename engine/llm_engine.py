@@ -117,10 +117,10 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.trace: list[StepTrace] | None = None  # set to [] to record every step
         self.on_finish: Callable[[Sequence], None] | None = None
-        log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), backend %s",
-                 self.source.name, num_blocks, config.block_size,
+        log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), attention backend "
+                 "%s, layer ops %s", self.source.name, num_blocks, config.block_size,
                  num_blocks * self.kv_spec.bytes_per_block_all_layers / 2**20,
-                 self.runner.backend.name)
+                 self.runner.backend.name, self.runner.model.ops.name)
 
     # -- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -2,7 +2,9 @@
 
 The library lands in a cache directory (env PDSERVE_KERNEL_CACHE, else
 $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve) under a name keyed by everything that
-changes the binary, so a stale or foreign build is never loaded. `python -m
+changes the binary, so a stale or foreign build is never loaded. It is built for the CPU
+it runs on (-march=native); env PDSERVE_KERNEL_MARCH names another target (x86-64-v2, say,
+for the portable paths without AVX-512; the tests build those that way). `python -m
 engine.cpu_kernels.build` builds it ahead of time (the Makefile does, so the first server
 start does not compile).
 """
@@ -22,8 +24,8 @@ SOURCES = tuple(pathlib.Path(__file__).with_name(n)
 # -ffast-math lets gcc vectorise the float reductions (dot products, sums) and exp2f;
 # -fopenmp resolves to the libgomp torch has already loaded (same soname), so the kernel
 # shares torch's thread pool instead of starting a second one on the same cores.
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
-          "-fPIC", "-shared", "-std=c11")
+CFLAGS = ("-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared",
+          "-std=c11")
 LIBS = ("-lm",)
 
 
@@ -58,10 +60,14 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+def cflags() -> tuple[str, ...]:
+    return (f"-march={os.environ.get('PDSERVE_KERNEL_MARCH') or 'native'}", *CFLAGS)
+
+
 def library_path(cc: str | None = None) -> pathlib.Path:
     cc = cc or compiler()
     h = hashlib.sha256()
-    flags = " ".join(CFLAGS + LIBS)
+    flags = " ".join(cflags() + LIBS)
     for part in (*(src.read_bytes() for src in SOURCES), cc.encode(), flags.encode(),
                  platform.machine().encode(), _cpu_features().encode()):
         h.update(part)
@@ -81,7 +87,7 @@ def build() -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, *LIBS],
+        r = subprocess.run([cc, *cflags(), *map(str, SOURCES), "-o", tmp, *LIBS],
                            capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise KernelBuildError(f"{cc} failed to build the CPU kernels:\n{r.stderr.strip()}")

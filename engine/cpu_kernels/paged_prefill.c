@@ -14,11 +14,15 @@
  * Work item = (chunk, KV head, tile of consecutive query tokens). The tile's rows are its
  * tokens x the G = Hq / Hkv query heads sharing that KV head, so each K/V row fetched from
  * the cache serves up to ROWS query rows instead of one (the decode kernel's case). Keys go
- * a tile of BK at a time: K is widened to float32 and transposed ([D][BK]) so scores are
- * computed 16 keys per vector FMA; a float32 online softmax (base 2) follows; then V, kept
- * [BK][D], is accumulated 16 dims per FMA. Only the tiles that reach past a row's own
- * position are masked. The launcher (paged_prefill.py) validates tables and lengths with
- * pd_validate first, so this trusts its arguments. Requires D % 16 == 0.
+ * a tile of BK at a time, widened to float32, with a float32 online softmax in base 2.
+ * Only the tiles that reach past a row's own position are masked.
+ *
+ * With AVX-512 (item_t) Q and the output accumulator are held transposed, [D][rows], so
+ * every vector spans 16 query rows: scores are K elements broadcast against Q columns, the
+ * softmax's max / sum / rescale are plain vector ops across rows, and p.V is V elements
+ * broadcast against P columns. Without it (pf_item, also for G > ROWS) rows go one at a
+ * time against a transposed K tile. The launcher (paged_prefill.py) validates tables and
+ * lengths with pd_validate first, so this trusts its arguments. Requires D % 16 == 0.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,0 +1,76 @@
+"""The C kernels' portable paths: the library built without AVX-512
+(PDSERVE_KERNEL_MARCH=x86-64-v2, in a fresh cache, in a child process so this process keeps
+its native build) must match the torch references too. On this machine the native build
+always takes the AVX-512 paths, so without this nothing would run the others."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+CHECK = r"""
+import torch
+from engine.attention.torch_backend import (decode_attention_reference,
+                                            prefill_attention_reference)
+from engine.cpu_kernels.build import library_path
+from engine.cpu_kernels.layer_ops import CpuLayerOps
+from engine.cpu_kernels.paged_decode import paged_decode_attention
+from engine.cpu_kernels.paged_prefill import paged_prefill_attention
+from engine.llama import LayerOps
+
+def close(got, want, dtype=torch.float32):
+    # float32: summation order; bf16 inputs, float32 math, one rounding at the end
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3,
+                                                                         rtol=2 ** -8)
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+gen = torch.Generator().manual_seed(0)
+bs, hq, hkv = 16, 6, 2
+for d in (64, 48):
+    k = torch.randn(40, bs, hkv, d, generator=gen)
+    v = torch.randn(40, bs, hkv, d, generator=gen)
+    tables = torch.randperm(40, generator=gen).int().view(4, 10)
+    for dtype in (torch.float32, torch.bfloat16):
+        kc, vc = k.to(dtype), v.to(dtype)
+        q = torch.randn(4, hq, d, generator=gen).to(dtype)
+        lens = torch.tensor([1, 17, 100, 160], dtype=torch.int32)
+        close(paged_decode_attention(q, kc, vc, lens, tables, 0.1),
+              decode_attention_reference(q.float(), kc.float(), vc.float(), lens, tables, 0.1),
+              dtype)
+        chunks = [(5, 5), (30, 100), (70, 70)]  # fresh, over a prefix, more than one tile
+        q = torch.randn(105, hq, d, generator=gen).to(dtype)
+        close(paged_prefill_attention(q, kc, vc, [c for c, _ in chunks],
+                                      [s for _, s in chunks], tables[:3], 0.1),
+              prefill_attention_reference(q.float(), kc.float(), vc.float(), [0, 5, 35, 105],
+                                          [5, 100, 70], tables[:3], 0.1), dtype)
+ref, cpu = LayerOps(), CpuLayerOps()
+x, delta, w = torch.randn(300, 576), torch.randn(300, 576), torch.randn(576)
+close(cpu.add_rms_norm(x.clone(), delta, w, 1e-5), ref.add_rms_norm(x.clone(), delta, w, 1e-5))
+gu = torch.randn(300, 3072)
+close(cpu.silu_mul(gu), ref.silu_mul(gu))
+qk, pos = torch.randn(300, 12, 64), torch.randint(0, 64, (300,))
+cos, sin = torch.rand(64, 64), torch.rand(64, 64)
+want = ref.rope(qk, ref.rope_tables(pos, cos, sin))
+close(cpu.rope(qk.clone(), cpu.rope_tables(pos, cos, sin)), want)
+print(library_path())
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64-v2 is an x86-64 target")
+def test_portable_build_matches_references(tmp_path):
+    env = dict(os.environ, PDSERVE_KERNEL_MARCH="x86-64-v2",
+               PDSERVE_KERNEL_CACHE=str(tmp_path / "kernels"))
+    r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lib = r.stdout.strip().splitlines()[-1]
+    assert lib.startswith(str(tmp_path / "kernels"))
+    if shutil.which("objdump"):  # the point: no AVX-512 (zmm) instruction in this build
+        asm = subprocess.run(["objdump", "-d", lib], capture_output=True, text=True).stdout
+        assert asm and "zmm" not in asm
