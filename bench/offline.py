@@ -30,13 +30,14 @@ def _workload(tokenizer, n: int, seed: int):
 
 
 def run_engine(model: str, dtype: str, prompts, outputs, threads: int | None,
-               profile: bool = False) -> dict:
+               profile: bool = False, kv_cache_dtype: str | None = None) -> dict:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_memory="2GiB",
-                                 num_threads=threads, show_progress=False))
+                                 kv_cache_dtype=kv_cache_dtype, num_threads=threads,
+                                 show_progress=False))
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outputs]
     eng.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     eng.trace = []
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="KV cache dtype (default: --dtype)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -127,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(outputs)} output tokens", file=sys.stderr)
     report = {"command": "python -m bench.offline " + " ".join(argv or sys.argv[1:]),
               "model": a.model, "dtype": a.dtype, "threads": torch.get_num_threads()}
-    report["engine"] = run_engine(a.model, a.dtype, prompts, outputs, a.threads, a.profile)
+    report["kv_cache_dtype"] = a.kv_cache_dtype or a.dtype
+    report["engine"] = run_engine(a.model, a.dtype, prompts, outputs, a.threads, a.profile,
+                                  a.kv_cache_dtype)
     print(f"engine: {report['engine']}", file=sys.stderr)
     if not a.skip_transformers:
         report["transformers_static"] = run_transformers(a.model, a.dtype, prompts, outputs)

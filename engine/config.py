@@ -12,6 +12,7 @@ from engine.kv_cache import dtype_from_name, parse_bytes
 class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "float32"  # float32 | bfloat16 (| float16 on GPU)
+    kv_cache_dtype: str | None = None  # None: the model's dtype
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory: str | int = "1GiB"
@@ -26,6 +27,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         dtype_from_name(self.dtype)
+        dtype_from_name(self.cache_dtype)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got "
                              f"{self.block_size}")
@@ -36,6 +38,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         parse_bytes(self.kv_cache_memory)
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype: kv_cache_dtype, else the model's."""
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def kv_cache_bytes(self) -> int:

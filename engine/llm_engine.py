@@ -103,9 +103,9 @@ class LLMEngine:
         d = self.dims
         num_blocks = config.num_kv_blocks or KVCacheSpec.blocks_for_budget(
             config.kv_cache_bytes, d.num_layers, config.block_size, d.num_kv_heads, d.head_dim,
-            config.dtype)
+            config.cache_dtype)
         self.kv_spec = KVCacheSpec(d.num_layers, num_blocks, config.block_size, d.num_kv_heads,
-                                   d.head_dim, config.dtype)
+                                   d.head_dim, config.cache_dtype)
         self.kv_cache = PagedKVCache(self.kv_spec, device)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)

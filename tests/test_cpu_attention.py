@@ -320,14 +320,18 @@ def test_build_cache_location_and_failure(monkeypatch, tmp_path):
     assert not any((tmp_path / "k").iterdir())  # no temp file left behind
 
 
-def test_engine_greedy_cpu_equals_torch(tiny_model_dir):
+# bfloat16 KV cache under the float32 model: the kernels' mixed-dtype paths
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+def test_engine_greedy_cpu_equals_torch(tiny_model_dir, kv_dtype):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [[(7 * i + 3 * j) % 5000 + 10 for j in range(n)]
                for i, n in enumerate((5, 16, 17, 40, 90, 150))]
     outs = {}
     for name in ("torch", "cpu"):
         # a small step budget chunks the longer prompts, so decodes and prefill chunks mix
-        eng = tiny_engine(tiny_model_dir, attention_backend=name, max_num_batched_tokens=64)
+        eng = tiny_engine(tiny_model_dir, attention_backend=name, max_num_batched_tokens=64,
+                          kv_cache_dtype=kv_dtype)
+        assert eng.kv_cache.key(0).dtype == (torch.bfloat16 if kv_dtype else torch.float32)
         assert eng.runner.backend.name == name
         outs[name] = [o.token_ids for o in eng.generate(prompts, params)]
         assert_pool_clean(eng)

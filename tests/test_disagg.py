@@ -69,15 +69,20 @@ async def _free_blocks(w) -> tuple[int, int]:
     return s.load.free_blocks, s.load.total_blocks
 
 
-@pytest.mark.parametrize("n_prefill,n_decode", [(1, 1), (2, 2)])
-def test_disaggregated_equals_colocated(tiny_model_dir, n_prefill, n_decode):
+# kv_cache_dtype bfloat16 under the float32 model: half the KV bytes pushed, same flow
+@pytest.mark.parametrize("n_prefill,n_decode,kv_dtype", [(1, 1, None), (2, 2, None),
+                                                         (1, 1, "bfloat16")])
+def test_disaggregated_equals_colocated(tiny_model_dir, n_prefill, n_decode, kv_dtype):
     prompts = _prompts(16)
-    reference = [o.token_ids for o in tiny_engine(tiny_model_dir).generate(prompts, GREEDY)]
+    reference = [o.token_ids for o in tiny_engine(
+        tiny_model_dir, kv_cache_dtype=kv_dtype).generate(prompts, GREEDY)]
 
     async def main():
-        decodes = [await _start("decode", tiny_model_dir) for _ in range(n_decode)]
-        prefills = [await _start("prefill", tiny_model_dir, max_num_batched_tokens=64)
-                    for _ in range(n_prefill)]
+        decodes = [await _start("decode", tiny_model_dir, kv_cache_dtype=kv_dtype)
+                   for _ in range(n_decode)]
+        prefills = [await _start("prefill", tiny_model_dir, max_num_batched_tokens=64,
+                                 kv_cache_dtype=kv_dtype) for _ in range(n_prefill)]
+        assert decodes[0].engine.kv_spec.dtype == (kv_dtype or "float32")
         try:
             outs = await asyncio.gather(*[
                 _disagg_generate(decodes[i % n_decode].address, prefills[i % n_prefill].address,
@@ -92,6 +97,30 @@ def test_disaggregated_equals_colocated(tiny_model_dir, n_prefill, n_decode):
 
     outs = asyncio.run(main())
     assert outs == reference
+
+
+def test_kv_cache_dtype_mismatch_refused_and_freed(tiny_model_dir):
+    """A float32-cache prefill worker cannot fill a bfloat16-cache decode worker: Prefill
+    fails with FAILED_PRECONDITION and the reservation's blocks come back."""
+    async def main():
+        dec = await _start("decode", tiny_model_dir, kv_cache_dtype="bfloat16")
+        pre = await _start("prefill", tiny_model_dir)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _disagg_generate(dec.address, pre.address, _prompts(1)[0], GREEDY, "m0")
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "KV layout differs" in err.value.details()
+            for _ in range(50):  # the decode worker frees the reservation on cancel/expiry
+                free, total = await _free_blocks(dec)
+                if free == total:
+                    break
+                await asyncio.sleep(0.1)
+            assert free == total
+        finally:
+            await dec.stop(0)
+            await pre.stop(0)
+
+    asyncio.run(main())
 
 
 def test_corrupt_chunk_rejected_cache_untouched(tiny_model_dir):

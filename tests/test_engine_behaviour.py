@@ -4,8 +4,10 @@ sampling rules and validation — each against exact expectations."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import assert_pool_clean, hf_greedy, tiny_engine
 
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -169,3 +171,18 @@ def test_prompt_too_long_and_max_tokens_too_big(tiny_model_dir):
     with pytest.raises(ValueError, match="prompt"):
         eng.add_request("z", [], SamplingParams(max_tokens=1))
     assert_pool_clean(eng)
+
+
+def test_kv_cache_dtype_halves_kv_memory(tiny_model_dir):
+    """kv_cache_dtype bfloat16 under a float32 model: twice the blocks for the same budget,
+    the cache tensors in bf16, the model still float32."""
+    fp32 = tiny_engine(tiny_model_dir, num_kv_blocks=None, kv_cache_memory="4MiB")
+    bf16 = tiny_engine(tiny_model_dir, num_kv_blocks=None, kv_cache_memory="4MiB",
+                       kv_cache_dtype="bfloat16")
+    assert bf16.kv_spec.num_blocks == 2 * fp32.kv_spec.num_blocks
+    assert bf16.kv_spec.dtype == "bfloat16" and bf16.kv_cache.value(1).dtype == torch.bfloat16
+    assert bf16.model.dtype == torch.float32
+    out = bf16.generate([[11, 12, 13, 14, 15]], SamplingParams(max_tokens=8, temperature=0))
+    assert len(out[0].token_ids) == 8
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(kv_cache_dtype="int8")

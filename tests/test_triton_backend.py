@@ -60,14 +60,17 @@ def _to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
     ([(1, 5), (1, 70)], 2, torch.float32, 2e-5),  # decode-only step
     ([(9, 9), (30, 64)], 0, torch.float32, 2e-5),  # prefill-only step
     ([(1, 33), (12, 50)], 1, torch.bfloat16, 3e-2),  # bf16: the kernel's own rounding
+    # a float32 model over a bfloat16 cache (kv_cache_dtype): the query goes in as bf16
+    ([(1, 33), (12, 50)], 1, (torch.float32, torch.bfloat16), 3e-2),
 ])
 def test_triton_matches_torch_backend(seqs, num_decodes, dtype, atol):
+    dtype, cache_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
     gen = torch.Generator().manual_seed(0)
     meta = _step(seqs, num_decodes, gen)
     num_tokens = len(meta.slot_mapping)
     shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)  # the cached prefixes
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_cache = torch.randn(shape, generator=gen).to(cache_dtype)  # the cached prefixes
+    v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
     key = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     value = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     query = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -80,7 +83,12 @@ def test_triton_matches_torch_backend(seqs, num_decodes, dtype, atol):
         backend.store_kv(key.to(dev), value.to(dev), kc, vc, m.slot_mapping)
         outs.append(backend.forward(query.to(dev), kc, vc, m, scale).cpu())
         caches.append((kc.cpu(), vc.cpu()))
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    if cache_dtype == dtype:
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1],
+                                                                       caches[1][1])
+    else:  # a narrowing cast: the interpreter truncates where torch rounds, one bf16 ulp
+        for a, b in zip(caches[0], caches[1]):
+            torch.testing.assert_close(a.float(), b.float(), atol=0, rtol=2 ** -7)
     assert outs[1].shape == (num_tokens, HEADS, HEAD_DIM) and outs[1].dtype == dtype
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
 

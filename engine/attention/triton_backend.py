@@ -82,6 +82,9 @@ class TritonAttentionBackend(AttentionBackend):
         _, decode, prefill = self._get_kernels(query.device)
         validate = meta is not self._checked_meta
         nd = meta.num_decodes
+        # the kernels take the query in the cache's dtype (a float32 model may keep its KV
+        # cache in bfloat16: kv_cache_dtype)
+        model_dtype, query = query.dtype, query.to(k_cache.dtype)
         out = torch.empty_like(query)
         if nd:
             decode(query=query[:nd], k_cache=k_cache, v_cache=v_cache,
@@ -97,4 +100,4 @@ class TritonAttentionBackend(AttentionBackend):
                     max_query_len=max(meta.query_lens_cpu[nd:]), out=out[nd:],
                     validate=validate)
         self._checked_meta = meta
-        return out
+        return out.to(model_dtype)
