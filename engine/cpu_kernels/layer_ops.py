@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.cpu_kernels.library import load
+from engine.cpu_kernels.library import DTYPE_CODES, load
 from engine.llama import LayerOps
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _check(**tensors: torch.Tensor | None) -> int:
@@ -23,7 +21,7 @@ def _check(**tensors: torch.Tensor | None) -> int:
     for name, t in tensors.items():
         if t is None:
             continue
-        if t.device.type != "cpu" or t.dtype not in _DTYPES:
+        if t.device.type != "cpu" or t.dtype not in DTYPE_CODES:
             raise ValueError(f"{name} must be a float32 or bfloat16 CPU tensor, got {t.dtype} "
                              f"on {t.device}")
         if dtype is not None and t.dtype != dtype:
@@ -31,7 +29,7 @@ def _check(**tensors: torch.Tensor | None) -> int:
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
         dtype = t.dtype
-    return _DTYPES[dtype]
+    return DTYPE_CODES[dtype]
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

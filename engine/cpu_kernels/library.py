@@ -9,7 +9,12 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import torch
+
 from engine.cpu_kernels.build import KernelBuildError, build
+
+# The dtype codes every kernel takes (0 = float32, 1 = bfloat16, the upper half of one).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

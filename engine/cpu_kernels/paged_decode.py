@@ -11,9 +11,8 @@ import ctypes
 
 import torch
 
-from engine.cpu_kernels.library import load
+from engine.cpu_kernels.library import DTYPE_CODES, load
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256
 
 
@@ -28,11 +27,11 @@ def shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out, num_seqs=
             return f"{name} must be on the CPU, got {t.device}"
     if query.dim() != 3:
         return f"query must be [B, Hq, D], got shape {tuple(query.shape)}"
-    if query.dtype not in _DTYPES:
+    if query.dtype not in DTYPE_CODES:
         return f"query dtype must be float32 or bfloat16, got {query.dtype}"
     if k_cache.dim() != 4:
         return f"k_cache must be [N, block_size, Hkv, D], got shape {tuple(k_cache.shape)}"
-    if k_cache.dtype not in _DTYPES:
+    if k_cache.dtype not in DTYPE_CODES:
         return f"k_cache dtype must be float32 or bfloat16, got {k_cache.dtype}"
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         return (f"v_cache must match k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}), got "
@@ -108,7 +107,7 @@ def paged_decode_attention(
     rc = lib.pd_decode(query.data_ptr(), query.stride(0), k_cache.data_ptr(),
                        v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, block_size,
-                       float(scale), _DTYPES[query.dtype], _DTYPES[k_cache.dtype],
+                       float(scale), DTYPE_CODES[query.dtype], DTYPE_CODES[k_cache.dtype],
                        torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode kernel could not allocate its scratch memory")

@@ -11,8 +11,8 @@ from itertools import accumulate
 
 import torch
 
-from engine.cpu_kernels.library import load
-from engine.cpu_kernels.paged_decode import _DTYPES, check_tables, shape_errors
+from engine.cpu_kernels.library import DTYPE_CODES, load
+from engine.cpu_kernels.paged_decode import check_tables, shape_errors
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -57,8 +57,8 @@ def paged_prefill_attention(
     rc = lib.pf_prefill(query.data_ptr(), query.stride(0), k_cache.data_ptr(),
                         v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                         starts.data_ptr(), lens.data_ptr(), out.data_ptr(), p, hq, hkv,
-                        d, block_size, float(scale), _DTYPES[query.dtype],
-                        _DTYPES[k_cache.dtype], torch.get_num_threads())
+                        d, block_size, float(scale), DTYPE_CODES[query.dtype],
+                        DTYPE_CODES[k_cache.dtype], torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged prefill kernel could not allocate its scratch memory")
     return out
