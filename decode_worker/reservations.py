@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.async_engine import AsyncEngine
-from engine.kv_cache import KVCacheSpec
-from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprobs
-from kvtransfer.blocks import copy_blocks
-from kvtransfer.sink import KVCommitInfo
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import TokenLogprobs
+from pdserve.kvtransfer.blocks import copy_blocks
+from pdserve.kvtransfer.sink import KVCommitInfo
 
 log = logging.getLogger("pdserve.decode")
 

@@ -4,11 +4,17 @@ KVTransfer gRPC services on one port, /metrics, and registration with the gatewa
 
 from __future__ import annotations
 
-from decode_worker.reservations import ReservationTable
-from decode_worker.service import DecodeService
-from kvtransfer.receiver import KVTransferService
+from pdserve.decode_worker.reservations import ReservationTable
+from pdserve.decode_worker.service import DecodeService
+from pdserve.kvtransfer.receiver import KVTransferService
+from pdserve.protos.pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    kvtransfer_pb2,
+)
 from pdserve.worker_runtime import WorkerBase
-from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, kvtransfer_pb2
 
 
 class DecodeWorker(WorkerBase):

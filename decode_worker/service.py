@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from decode_worker.reservations import ReservationTable
-from engine.async_engine import AsyncEngine, RequestError
-from engine.llm_engine import SeqDelta
 from pdserve.convert import FINISH_REASONS, kv_spec_to_proto, logprobs_to_proto, sampling_from_proto
+from pdserve.decode_worker.reservations import ReservationTable
+from pdserve.engine.async_engine import AsyncEngine, RequestError
+from pdserve.engine.llm_engine import SeqDelta
 from pdserve.metrics import TierMetrics, TokenTimer
-from protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
 

@@ -8,6 +8,6 @@ tokenization, admission, routing and the worker registry.
 - `grpc_api`, `http_api`, `openai_protocol`: the client-facing translations.
 """
 
-from gateway.server import Gateway, GatewayConfig
+from pdserve.gateway.server import Gateway, GatewayConfig
 
 __all__ = ["Gateway", "GatewayConfig"]

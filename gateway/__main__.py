@@ -1,4 +1,4 @@
-"""`python -m gateway`: run the pdserve gateway (gRPC + OpenAI HTTP) until SIGTERM/SIGINT."""
+"""`python -m pdserve.gateway`: run the gateway (gRPC + OpenAI HTTP) until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import logging
 import signal
 import sys
 
-from gateway.server import Gateway, GatewayConfig
+from pdserve.gateway.server import Gateway, GatewayConfig
 
 _D = GatewayConfig(model="")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m gateway",
+        prog="python -m pdserve.gateway",
         description="The pdserve gateway: the gRPC Gateway API and an OpenAI-compatible HTTP "
                     "API in one process. It tokenizes, admits, routes each request to a "
                     "decode worker (and a prefill worker), and streams the tokens back. "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -3,12 +3,12 @@ workers share (sampling params, finish reasons, KV layout) comes from `pdserve.c
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCacheSpec
-from engine.sequence import TokenLogprobs
-from gateway.registry import Load
-from gateway.request import RequestTiming
 from pdserve import convert as shared
-from protos.pdserve.v1 import common_pb2
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.sequence import TokenLogprobs
+from pdserve.gateway.registry import Load
+from pdserve.gateway.request import RequestTiming
+from pdserve.protos.pdserve.v1 import common_pb2
 
 sampling_to_proto = shared.sampling_to_proto
 FINISH_REASONS = {k: v for k, v in shared.FINISH_REASON_NAMES.items() if v is not None}

@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from gateway.convert import (
+from pdserve.gateway.convert import (
     FINISH_TO_PROTO,
     kv_spec_from_proto,
     load_from_proto,
@@ -17,12 +17,12 @@ from gateway.convert import (
     sampling_fields_from_proto,
     timing_to_proto,
 )
-from gateway.errors import GatewayError
-from gateway.orchestrator import Orchestrator
-from gateway.prompts import PromptProcessor
-from gateway.registry import Role, WorkerRegistry
-from gateway.request import GenerationRequest
-from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.prompts import PromptProcessor
+from pdserve.gateway.registry import Role, WorkerRegistry
+from pdserve.gateway.request import GenerationRequest
+from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import GatewayError
-from gateway.openai_protocol import (
+from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.openai_protocol import (
     OpenAIRequest,
     Renderer,
     decode_body,
@@ -23,10 +23,10 @@ from gateway.openai_protocol import (
     parse_chat,
     parse_completion,
 )
-from gateway.orchestrator import Orchestrator
-from gateway.prompts import PromptProcessor
-from gateway.registry import Role, WorkerRegistry
-from gateway.request import GenerationDelta
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.prompts import PromptProcessor
+from pdserve.gateway.registry import Role, WorkerRegistry
+from pdserve.gateway.request import GenerationDelta
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
 
 log = logging.getLogger("pdserve.gateway")

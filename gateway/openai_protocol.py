@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sequence import TokenLogprobs
-from gateway.errors import GatewayError, invalid
-from gateway.request import GenerationDelta, Usage
+from pdserve.engine.sequence import TokenLogprobs
+from pdserve.gateway.errors import GatewayError, invalid
+from pdserve.gateway.request import GenerationDelta, Usage
 
 TokenText = Callable[[int], str]
 

@@ -29,16 +29,16 @@ from typing import Any
 
 import grpc
 
-from gateway import router
-from gateway.admission import AdmissionController, Overloaded
-from gateway.channels import WorkerChannels
-from gateway.convert import FINISH_REASONS, logprobs_from_proto, sampling_to_proto
-from gateway.errors import ErrorKind, GatewayError, from_worker_status
-from gateway.output import TextOutput
-from gateway.registry import Role, Worker, WorkerRegistry
-from gateway.request import GenerationDelta, GenerationRequest, RequestTiming, Usage
+from pdserve.gateway import router
+from pdserve.gateway.admission import AdmissionController, Overloaded
+from pdserve.gateway.channels import WorkerChannels
+from pdserve.gateway.convert import FINISH_REASONS, logprobs_from_proto, sampling_to_proto
+from pdserve.gateway.errors import ErrorKind, GatewayError, from_worker_status
+from pdserve.gateway.output import TextOutput
+from pdserve.gateway.registry import Role, Worker, WorkerRegistry
+from pdserve.gateway.request import GenerationDelta, GenerationRequest, RequestTiming, Usage
 from pdserve.metrics import TierMetrics, TokenTimer
-from protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 
 class StopMatcher:

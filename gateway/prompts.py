@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from gateway.errors import ErrorKind, GatewayError, invalid, param_of
-from gateway.request import GenerationRequest
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.gateway.errors import ErrorKind, GatewayError, invalid, param_of
+from pdserve.gateway.request import GenerationRequest
 
 # SamplingParams fields a client may set; None means "unset" (the default applies).
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",

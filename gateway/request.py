@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import TokenLogprobs
 
 
 @dataclass(frozen=True)

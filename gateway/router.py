@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from engine.block_hash import block_hashes
-from gateway.registry import Worker
+from pdserve.engine.block_hash import block_hashes
+from pdserve.gateway.registry import Worker
 
 
 def _blocks_for(num_tokens: int, block_size: int | None) -> int:

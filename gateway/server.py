@@ -21,17 +21,17 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.model_loader import load_config, load_tokenizer, resolve_model
-from gateway.admission import AdmissionController
-from gateway.channels import WorkerChannels
-from gateway.convert import kv_spec_from_proto, load_from_proto
-from gateway.grpc_api import GatewayServicer
-from gateway.http_api import OpenAIServer
-from gateway.orchestrator import Orchestrator
-from gateway.prompts import PromptProcessor
-from gateway.registry import Role, Worker, WorkerRegistry, addresses
+from pdserve.engine.model_loader import load_config, load_tokenizer, resolve_model
+from pdserve.gateway.admission import AdmissionController
+from pdserve.gateway.channels import WorkerChannels
+from pdserve.gateway.convert import kv_spec_from_proto, load_from_proto
+from pdserve.gateway.grpc_api import GatewayServicer
+from pdserve.gateway.http_api import OpenAIServer
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.prompts import PromptProcessor
+from pdserve.gateway.registry import Role, Worker, WorkerRegistry, addresses
 from pdserve.metrics import TierMetrics
-from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -1,6 +1,6 @@
 """Moving paged KV blocks from a prefill worker to a decode worker.
 
-The layout being moved is `engine.kv_cache.KVCacheSpec`'s: per layer, K and V of shape
+The layout being moved is `pdserve.engine.kv_cache.KVCacheSpec`'s: per layer, K and V of shape
 `[num_blocks, block_size, kv_heads, head_dim]`. A transfer fills one reservation that the
 decode worker made before any prefill work began.
 
@@ -15,9 +15,9 @@ decode worker made before any prefill work began.
 - `malloc_tuning`: keeps glibc from returning message buffers to the kernel per chunk.
 """
 
-from kvtransfer.sink import KVCommitInfo, KVSink
-from kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
-from kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, KVChunkError
+from pdserve.kvtransfer.sink import KVCommitInfo, KVSink
+from pdserve.kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
+from pdserve.kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, KVChunkError
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",

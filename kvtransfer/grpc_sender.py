@@ -4,7 +4,7 @@ One channel per destination address, shared by every stream to it. Each stream i
 `Push` call started with `.future()`: gRPC's request-consumer thread pulls from a queue
 fed by `push_layer`, encodes each layer into chunks and sends them, so the compute thread
 only enqueues. Chunks are handed to gRPC as ready-made bytes
-(`kvtransfer.wire.encode_layer_messages`: CRC-32C and one copy of the tensors), not as
+(`pdserve.kvtransfer.wire.encode_layer_messages`: CRC-32C and one copy of the tensors), not as
 protobuf objects, whose construction and serialization copy the payload twice more.
 
 gRPC sends one message at a time and asks for the next once it is written, so encoding
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from engine.kv_cache import KVCacheSpec
-from kvtransfer.malloc_tuning import keep_freed_memory
-from kvtransfer.sink import KVCommitInfo
-from kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
-from kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, commit_to_proto, encode_layer_messages
-from protos.pdserve.v1 import kvtransfer_pb2
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
+from pdserve.kvtransfer.sink import KVCommitInfo
+from pdserve.kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
+from pdserve.kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, commit_to_proto, encode_layer_messages
+from pdserve.protos.pdserve.v1 import kvtransfer_pb2
 
 log = logging.getLogger(__name__)
 

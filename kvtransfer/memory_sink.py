@@ -1,4 +1,4 @@
-"""`InMemoryKVSink`: a complete `KVSink` over an `engine.kv_cache.PagedKVCache`.
+"""`InMemoryKVSink`: a complete `KVSink` over an `pdserve.engine.kv_cache.PagedKVCache`.
 
 Reservations are lists of physical block ids taken from a free list, lowest first. A
 reservation is *open* (accepting KV) until it is committed or aborted; aborting frees its
@@ -14,9 +14,9 @@ from collections import deque
 
 import torch
 
-from engine.kv_cache import KVCacheSpec, PagedKVCache
-from kvtransfer.blocks import copy_blocks
-from kvtransfer.sink import KVCommitInfo
+from pdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
+from pdserve.kvtransfer.blocks import copy_blocks
+from pdserve.kvtransfer.sink import KVCommitInfo
 
 
 class InMemoryKVSink:

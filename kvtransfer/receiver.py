@@ -19,7 +19,7 @@ Statuses: NOT_FOUND (unknown, expired or already finished reservation), INVALID_
 sent KVAbort), INTERNAL (the sink failed). A chunk is never written before it has passed
 validation, so bad bytes never reach the cache.
 
-Messages reach `Push` already split by `kvtransfer.wire.parse_message` (registered as the
+Messages reach `Push` already split by `pdserve.kvtransfer.wire.parse_message` (registered as the
 method's deserializer in `add_to_server`): the chunk header parsed, the payload a view into
 the bytes gRPC received. From there to the cache the payload is read twice (CRC-32C, the
 copy into the cache) and copied once.
@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from kvtransfer.malloc_tuning import keep_freed_memory
-from kvtransfer.sink import KVSink
-from kvtransfer.wire import (
+from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
+from pdserve.kvtransfer.sink import KVSink
+from pdserve.kvtransfer.wire import (
     KVChunkError,
     WireMessage,
     commit_from_proto,
     decode_chunk,
     parse_message,
 )
-from protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+from pdserve.protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
         self.bytes_received = 0
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        """Registers `Push` with `kvtransfer.wire.parse_message` as its request
+        """Registers `Push` with `pdserve.kvtransfer.wire.parse_message` as its request
         deserializer instead of the generated `KVMessage.FromString`, so chunk payloads
         are read in place rather than copied out of a parsed message."""
         service = kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name

@@ -1,7 +1,7 @@
 """The receiving end's contract: `KVSink`, which the decode engine implements, and
 `KVCommitInfo`, what a finished transfer hands it.
 
-The receiver (`kvtransfer.receiver`) validates every chunk before it calls the sink, so a
+The receiver (`pdserve.kvtransfer.receiver`) validates every chunk before it calls the sink, so a
 sink only copies tensors and keeps its own bookkeeping. Calls come from the decode
 worker's event loop thread; each must be quick (a tensor copy, a dict update).
 """
@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_cache import KVCacheSpec
 
 
 @dataclass(frozen=True)

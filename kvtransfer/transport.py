@@ -5,7 +5,7 @@
     on success:                                result = stream.commit(info)      # waits for ack
     on failure or cancellation:                stream.abort(reason)
 
-gRPC streaming (`kvtransfer.grpc_sender`) is the default implementation; same-host shared
+gRPC streaming (`pdserve.kvtransfer.grpc_sender`) is the default implementation; same-host shared
 memory or RDMA transports implement the same two classes.
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from engine.kv_cache import KVCacheSpec
-from kvtransfer.sink import KVCommitInfo
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.sink import KVCommitInfo
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ import torch
 from crc32c import crc32c
 from google.protobuf.message import DecodeError
 
-from engine.kv_cache import KVCacheSpec, dtype_name
-from kvtransfer.sink import KVCommitInfo
-from protos.pdserve.v1 import common_pb2, kvtransfer_pb2
+from pdserve.engine.kv_cache import KVCacheSpec, dtype_name
+from pdserve.kvtransfer.sink import KVCommitInfo
+from pdserve.protos.pdserve.v1 import common_pb2, kvtransfer_pb2
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 

@@ -10,9 +10,9 @@ from pdserve.engine_args import add_engine_args, engine_config_from_args
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
-    from engine.detokenizer import IncrementalDetokenizer
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.detokenizer import IncrementalDetokenizer
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,

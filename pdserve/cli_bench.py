@@ -1,15 +1,15 @@
-"""`pdserve bench`: the load generator of `bench.loadgen` as a `pdserve` subcommand.
+"""`pdserve bench`: the load generator of `pdserve.bench.loadgen` as a `pdserve` subcommand.
 
 The subcommand takes exactly loadgen's flags (its parser is the parent of this one, so
-`pdserve bench --help` and `python -m bench.loadgen --help` list the same options) and
-hands the parsed arguments to `bench.loadgen.run`.
+`pdserve bench --help` and `python -m pdserve.bench.loadgen --help` list the same options) and
+hands the parsed arguments to `pdserve.bench.loadgen.run`.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench import loadgen
+from pdserve.bench import loadgen
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -16,7 +16,7 @@ from typing import Self
 
 import grpc
 
-from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_ABORT: "abort"}

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 TIERS = ("gateway", "prefill", "decode")
-MODULES = {"gateway": "gateway", "prefill": "prefill_worker", "decode": "decode_worker"}
+MODULES = {"gateway": "pdserve.gateway", "prefill": "pdserve.prefill_worker",
+           "decode": "pdserve.decode_worker"}
 
 
 class ClusterError(RuntimeError):
@@ -474,7 +475,7 @@ class LocalCluster:
         import grpc
 
         try:
-            from protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+            from pdserve.protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
         except ImportError:
             return True
         try:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCacheSpec
-from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprobs
-from protos.pdserve.v1 import common_pb2
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import TokenLogprobs
+from pdserve.protos.pdserve.v1 import common_pb2
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,

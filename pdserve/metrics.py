@@ -87,7 +87,7 @@ class TierMetrics:
             counter.inc(value - current)
 
     def observe_engine(self, s) -> None:
-        """Mirror an `engine.async_engine.EngineStats` snapshot into gauges and counters."""
+        """Mirror an `pdserve.engine.async_engine.EngineStats` snapshot into gauges and counters."""
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.kv_usage.set(1.0 - s.free_blocks / s.total_blocks)

@@ -21,13 +21,13 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from pdserve.convert import kv_spec_to_proto
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
-from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")
 

@@ -1,4 +1,4 @@
-"""`python -m prefill_worker`: run one decode-tier worker until SIGTERM."""
+"""`python -m pdserve.prefill_worker`: run one decode-tier worker until SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_con
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m prefill_worker",
+        prog="python -m pdserve.prefill_worker",
         description="A pdserve prefill worker: batches prompts (chunked, prefix-cached), "
                     "samples each one's first token and pushes its KV, layer by layer, to the "
                     "decode worker that reserved it.")
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from prefill_worker.server import PrefillWorker
+    from pdserve.prefill_worker.server import PrefillWorker
 
     worker = PrefillWorker(worker_config_from_args(a), max_chunk_bytes=a.max_chunk_bytes)
     asyncio.run(run_until_signal(worker.start, worker.stop))

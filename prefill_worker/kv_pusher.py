@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import PagedKVCache
-from engine.scheduler import ScheduledSeq
-from kvtransfer.blocks import gather_blocks
-from kvtransfer.transport import KVPushStream
+from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.scheduler import ScheduledSeq
+from pdserve.kvtransfer.blocks import gather_blocks
+from pdserve.kvtransfer.transport import KVPushStream
 
 
 @dataclass(frozen=True)

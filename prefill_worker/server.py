@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from kvtransfer.grpc_sender import GrpcKVTransport
+from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
+from pdserve.prefill_worker.kv_pusher import KVPusher
+from pdserve.prefill_worker.service import PrefillService
+from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker_runtime import WorkerBase, WorkerConfig
-from prefill_worker.kv_pusher import KVPusher
-from prefill_worker.service import PrefillService
-from protos.pdserve.v1 import common_pb2, gateway_pb2, prefill_pb2, prefill_pb2_grpc
 
 MAX_REPORTED_HASHES = 8192  # bounds the heartbeat; the oldest prefixes are dropped first
 

@@ -19,18 +19,18 @@ import uuid
 
 import grpc
 
-from engine.async_engine import AsyncEngine, RequestError
-from kvtransfer.sink import KVCommitInfo
-from kvtransfer.transport import KVTransferError, KVTransport
 from pdserve.convert import (
     kv_spec_from_proto,
     layouts_match,
     logprobs_to_proto,
     sampling_from_proto,
 )
+from pdserve.engine.async_engine import AsyncEngine, RequestError
+from pdserve.kvtransfer.sink import KVCommitInfo
+from pdserve.kvtransfer.transport import KVTransferError, KVTransport
 from pdserve.metrics import TierMetrics
-from prefill_worker.kv_pusher import KVPusher
-from protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.prefill_worker.kv_pusher import KVPusher
+from pdserve.protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
 

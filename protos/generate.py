@@ -1,12 +1,12 @@
 """Generates the Python stubs of pdserve's protos; the only way they are ever written.
 
-    python -m protos.generate           # rewrite protos/pdserve/v1/*_pb2{.py,.pyi,_grpc.py}
-    python -m protos.generate --check   # regenerate into a temp dir; exit 1 if they differ
+    python -m pdserve.protos.generate           # rewrite protos/pdserve/v1/*_pb2{.py,.pyi,_grpc.py}
+    python -m pdserve.protos.generate --check   # regenerate into a temp dir; exit 1 if they differ
 
 protoc runs from the repository root with `-I .`, so the protos import each other as
-`protos/pdserve/v1/<name>.proto` and the stubs import each other as
-`from protos.pdserve.v1 import common_pb2` — never as `pdserve.v1`, which would collide
-with the `pdserve` CLI package.
+`protos/pdserve/v1/<name>.proto`. The folder installs as `pdserve.protos` (pyproject's
+package-dir), so the stubs' own imports and module names are rewritten from `protos.` to
+`pdserve.protos.` right after protoc writes them — the one edit generated code ever gets.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ def run_protoc(out_dir: Path) -> None:
     result = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"protoc failed ({result.returncode}):\n{result.stderr}")
+    for path in (out_dir / PROTO_DIR).glob("*_pb2*"):
+        path.write_text(_namespaced(path.read_text()))
+
+
+def _namespaced(stub: str) -> str:
+    """protoc names the stubs' package after the include path (`protos.pdserve.v1`); they
+    import as `pdserve.protos.pdserve.v1`."""
+    return (stub.replace("from protos.pdserve.v1 import", "from pdserve.protos.pdserve.v1 import")
+            .replace("DESCRIPTOR, 'protos.pdserve.v1.", "DESCRIPTOR, 'pdserve.protos.pdserve.v1."))
 
 
 def check() -> int:
@@ -72,7 +81,7 @@ def check() -> int:
             if path.name not in expected:
                 problems.append(f"no .proto for: {PROTO_DIR / path.name}")
     if problems:
-        print("generated stubs are out of date; run `python -m protos.generate`:")
+        print("generated stubs are out of date; run `python -m pdserve.protos.generate`:")
         print("\n".join(f"  {p}" for p in problems))
         return 1
     print(f"{len(expected)} stubs up to date")

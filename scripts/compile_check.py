@@ -9,7 +9,7 @@ it compiled, its shared memory (`metadata.shared`), and the registers and spill 
 ptxas reports.
 
 The configs are not restated here: each case calls the real launcher
-(`engine.kernels.*`) with small CPU tensors of the case's shape and dtype, with the
+(`pdserve.engine.kernels.*`) with small CPU tensors of the case's shape and dtype, with the
 kernels swapped for recorders, so the grid, constexprs and launch options compiled are
 exactly those the launcher would pick on a GPU (interpreter-only flags off). Arguments are
 specialised as Triton's runtime does (ints == 1 become constexprs, 16-divisible ints and
@@ -54,7 +54,7 @@ MAX_SHARED_BYTES = 227 * 1024  # H100/H200: opt-in shared memory per block
 # are harmless, the fp32 FMA-dot tiles that prompted this check spilled tens of KB.
 MAX_SPILL_BYTES = 256
 NEAR_SHARED = 0.9  # noted (not failed) above this fraction of --max-shared
-BLOCK_SIZE = 16  # engine.config's default KV block size
+BLOCK_SIZE = 16  # pdserve.engine.config's default KV block size
 
 # name -> (query heads, kv heads, head_dim)
 SHAPES = {
@@ -155,15 +155,15 @@ def capture_launches(case: Case) -> list:
     """Run the case's launcher on CPU tensors; return its [(jit fn, grid, kwargs)]."""
     import torch
 
-    import engine.kernels as kernels_pkg
-    from engine.kernels import paged_decode_attention as dec
-    from engine.kernels import prefill_attention as pre
-    from engine.kernels import rms_norm as rms
-    from engine.kernels import rotary as rot
-    from engine.kernels import store_kv as sto
+    import pdserve.engine.kernels as kernels_pkg
+    from pdserve.engine.kernels import paged_decode_attention as dec
+    from pdserve.engine.kernels import prefill_attention as pre
+    from pdserve.engine.kernels import rms_norm as rms
+    from pdserve.engine.kernels import rotary as rot
+    from pdserve.engine.kernels import store_kv as sto
 
     if kernels_pkg.interpreted():
-        raise RuntimeError("engine.kernels was imported under TRITON_INTERPRET=1; run this "
+        raise RuntimeError("pdserve.engine.kernels was imported under TRITON_INTERPRET=1; run this "
                            "script in a fresh process without it")
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     hq, hkv, d = SHAPES[case.shape]

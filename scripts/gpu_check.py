@@ -167,7 +167,7 @@ def decode_point(device: str, dtype, batch: int, ctx: int, hq: int, hkv: int, d:
                  peak_bw: float | None, sweep: list[dict] | None, **launch) -> dict:
     import torch
 
-    from engine.kernels.paged_decode_attention import (
+    from pdserve.engine.kernels.paged_decode_attention import (
         DEFAULT_PARTITION_SIZE,
         device_sm_count,
         paged_decode_attention,
@@ -220,7 +220,7 @@ def prefill_point(device: str, dtype, chunks: list[tuple[int, int]], hq: int, hk
     """chunks: (query_len, seq_len) per sequence; SDPA only where there is no prefix."""
     import torch
 
-    from engine.kernels.prefill_attention import (
+    from pdserve.engine.kernels.prefill_attention import (
         DEFAULT_BLOCK_M,
         DEFAULT_BLOCK_N,
         DEFAULT_NUM_STAGES,
@@ -297,8 +297,8 @@ def section_env(res: Result, dry_run: bool) -> None:
         res.update(sms=p.multi_processor_count, memory_GiB=round(p.total_memory / 2**30, 1),
                    capability=f"{p.major}.{p.minor}")
     # Proves the kernel modules and the backend import (and register) here.
-    from engine.attention import available_backends
-    from engine.kernels import interpreted
+    from pdserve.engine.attention import available_backends
+    from pdserve.engine.kernels import interpreted
 
     res["backends"] = available_backends()
     res["kernels_interpreted"] = interpreted()
@@ -419,9 +419,13 @@ def _fused_case(kind: str, device: str, dtype, t: int, shape: dict) -> dict:
     """
     import torch
 
-    from engine.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rows_per_program
-    from engine.kernels.rotary import rope_reference, rotary_embedding, rotary_reference
-    from engine.llama import rms_norm
+    from pdserve.engine.kernels.rms_norm import (
+        add_rms_norm,
+        add_rms_norm_reference,
+        rows_per_program,
+    )
+    from pdserve.engine.kernels.rotary import rope_reference, rotary_embedding, rotary_reference
+    from pdserve.engine.llama import rms_norm
 
     torch.manual_seed(0)
     es = torch.empty((), dtype=dtype).element_size()
@@ -611,7 +615,7 @@ def _engine_model() -> str:
     try:
         import gguf  # noqa: F401
 
-        from engine.model_loader import resolve_model
+        from pdserve.engine.model_loader import resolve_model
 
         resolve_model("smollm2-135m")
         return "smollm2-135m"
@@ -634,9 +638,9 @@ def _engine_model() -> str:
 
 
 def section_engine_throughput(res: Result, dry_run: bool) -> None:
-    from engine.config import EngineConfig  # the lead's engine; absent -> ImportError here
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig  # the lead's engine; absent -> ImportError here
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
 
     res["engine_importable"] = True
     res.save()

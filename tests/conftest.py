@@ -22,7 +22,7 @@ def make_tiny_model(path: str, vocab_size: int = 49152, num_kv_heads: int = 2) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.model_loader import load_tokenizer, resolve_model
+    from pdserve.engine.model_loader import load_tokenizer, resolve_model
 
     torch.manual_seed(TINY_SEED)
     cfg = LlamaConfig(
@@ -103,7 +103,7 @@ def smollm2_hf():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.model_loader import resolve_model
+    from pdserve.engine.model_loader import resolve_model
 
     src = resolve_model("smollm2-135m")
     return AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file,
@@ -113,16 +113,16 @@ def smollm2_hf():
 @pytest.fixture(scope="session")
 def smollm2_engine():
     """The real SmolLM2-135M in our engine, loaded once (tests must leave the pool clean)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model="smollm2-135m", kv_cache_memory="256MiB",
                                   max_num_batched_tokens=512, show_progress=False))
 
 
 def tiny_engine(model_dir: str, **kw):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("max_num_batched_tokens", 128)

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import pytest
 from aiohttp import web
 
-from bench import loadgen
-from bench.clients import GatewayGRPCClient, OpenAIHTTPClient, RequestRecord
-from bench.metrics import compute_report, itl_s, percentile, tpot_s
-from bench.runner import run_benchmark
-from bench.workloads import (
+from pdserve.bench import loadgen
+from pdserve.bench.clients import GatewayGRPCClient, OpenAIHTTPClient, RequestRecord
+from pdserve.bench.metrics import compute_report, itl_s, percentile, tpot_s
+from pdserve.bench.runner import run_benchmark
+from pdserve.bench.workloads import (
     BenchRequest,
     ChatMessage,
     count_tokens,
@@ -429,7 +429,7 @@ def test_loadgen_help_is_truthful(capsys) -> None:
 def test_grpc_client_against_a_fake_gateway() -> None:
     import grpc
 
-    from protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+    from pdserve.protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
     seen: list = []
 

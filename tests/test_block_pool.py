@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import block_hashes, hash_block
-from engine.block_pool import BlockPool
+from pdserve.engine.block_hash import block_hashes, hash_block
+from pdserve.engine.block_pool import BlockPool
 
 
 def test_allocate_free_accounting():
@@ -77,7 +77,7 @@ def test_hash_is_chained_and_stable():
 
 
 def test_length_buckets_bound_padding():
-    from engine.attention.torch_backend import length_buckets
+    from pdserve.engine.attention.torch_backend import length_buckets
 
     lens = [700, 33, 64, 65, 130, 31, 512, 300]
     groups = length_buckets(lens)

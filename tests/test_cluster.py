@@ -6,7 +6,6 @@ tiny model (skipped until gateway/, prefill_worker/ and decode_worker/ are runna
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -22,7 +21,14 @@ import pytest
 
 from pdserve.cli import build_parser
 from pdserve.cli_up import engine_argv
-from pdserve.cluster import ClusterConfig, ClusterError, LocalCluster, assign_cpus, parse_cpu_spec
+from pdserve.cluster import (
+    MODULES,
+    ClusterConfig,
+    ClusterError,
+    LocalCluster,
+    assign_cpus,
+    parse_cpu_spec,
+)
 from pdserve.engine_args import engine_config_from_args
 
 # ---------------------------------------------------------------------------- pure logic
@@ -146,17 +152,23 @@ FAKE_TIER = textwrap.dedent('''
 
 @pytest.fixture
 def fakes(tmp_path: Path) -> Path:
-    """Stand-in tiers as `fake_<tier>` modules and as packages named like the real ones
-    (the latter win when a child runs with this directory as its working directory)."""
+    """Stand-in tiers as `fake_<tier>` modules and as `pdserve.<tier package>` packages that
+    shadow the real ones when this directory comes first on PYTHONPATH (a `pdserve` package
+    here whose path continues into the real one, so `pdserve.cli` is still the real CLI)."""
+    import pdserve
+
     (tmp_path / "_fake_tier.py").write_text(FAKE_TIER)
-    real = {"gateway": "gateway", "prefill": "prefill_worker", "decode": "decode_worker"}
-    for tier, pkg in real.items():
+    shadow = tmp_path / "pdserve"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text(
+        f"__path__.append({pdserve.__path__[0]!r})\n__version__ = {pdserve.__version__!r}\n")
+    for tier, module in MODULES.items():
         (tmp_path / f"fake_{tier}.py").write_text(
             f"from _fake_tier import main\nmain({tier!r})\n")
-        (tmp_path / pkg).mkdir()
-        (tmp_path / pkg / "__init__.py").write_text("")
-        (tmp_path / pkg / "__main__.py").write_text(
-            f"from _fake_tier import main\nmain({tier!r})\n")
+        pkg = shadow / module.split(".")[-1]
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text("")
+        (pkg / "__main__.py").write_text(f"from _fake_tier import main\nmain({tier!r})\n")
     (tmp_path / "out").mkdir()
     return tmp_path
 
@@ -297,18 +309,6 @@ def test_pdserve_up_sigterm_stops_everything_and_exits_0(fakes):
 # ---------------------------------------------------------------------------- the real cluster
 
 
-def _real_tiers_missing() -> str | None:
-    for mod in ("gateway", "prefill_worker", "decode_worker"):
-        try:
-            spec = importlib.util.find_spec(f"{mod}.__main__")
-        except ImportError:
-            spec = None
-        if spec is None:
-            return f"{mod} is not runnable yet (no {mod}/__main__.py)"
-    return None
-
-
-@pytest.mark.skipif(_real_tiers_missing() is not None, reason=str(_real_tiers_missing()))
 def test_real_cluster_serves_a_chat_completion(tiny_model_dir):
     cluster = LocalCluster(model=tiny_model_dir, http_port=0, grpc_port=0, cpus="none",
                            engine_args=("--kv-cache-memory", "64MiB"))

@@ -3,7 +3,7 @@ the configs its launcher picks, within the H100/H200 shared memory limit and wit
 spills. Catches what the interpreter cannot: a GPU compile failure before a GPU session.
 
 Runs the script in a subprocess: it must import the kernels without TRITON_INTERPRET, which
-other tests in this process may have set before engine.kernels was first imported."""
+other tests in this process may have set before pdserve.engine.kernels was first imported."""
 
 from __future__ import annotations
 

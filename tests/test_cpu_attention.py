@@ -10,18 +10,18 @@ import pytest
 import torch
 from conftest import assert_pool_clean, tiny_engine
 
-from engine.attention import AttentionMetadata, backend, get_backend
-from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.attention.torch_backend import (
+from pdserve.engine.attention import AttentionMetadata, backend, get_backend
+from pdserve.engine.attention.cpu_backend import CpuAttentionBackend
+from pdserve.engine.attention.torch_backend import (
     TorchAttentionBackend,
     decode_attention_reference,
     prefill_attention_reference,
 )
-from engine.cpu_kernels import build
-from engine.cpu_kernels.build import KernelBuildError
-from engine.cpu_kernels.paged_decode import paged_decode_attention
-from engine.cpu_kernels.paged_prefill import paged_prefill_attention
-from engine.sampling_params import SamplingParams
+from pdserve.engine.cpu_kernels import build
+from pdserve.engine.cpu_kernels.build import KernelBuildError
+from pdserve.engine.cpu_kernels.paged_decode import paged_decode_attention
+from pdserve.engine.cpu_kernels.paged_prefill import paged_prefill_attention
+from pdserve.engine.sampling_params import SamplingParams
 
 PAD = -7  # table entries past a sequence's blocks: never read, so never checked
 
@@ -287,7 +287,7 @@ def test_backend_head_dim_the_prefill_kernel_lacks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the prefill kernel was called for head_dim 40")
 
-    monkeypatch.setattr("engine.attention.cpu_backend.paged_prefill_attention", refuse)
+    monkeypatch.setattr("pdserve.engine.attention.cpu_backend.paged_prefill_attention", refuse)
     _cpu_vs_torch_backend([(1, 30), (300, 300)], 1, torch.float32, 1e-5, d=40)
 
 
@@ -298,7 +298,7 @@ def test_auto_picks_cpu_and_falls_back_to_torch(monkeypatch, caplog):
     def broken():
         raise KernelBuildError("no C compiler found")
 
-    monkeypatch.setattr("engine.attention.cpu_backend.load", broken)
+    monkeypatch.setattr("pdserve.engine.attention.cpu_backend.load", broken)
     monkeypatch.setattr(backend, "_cpu_fallback_logged", False)
     with caplog.at_level(logging.WARNING):
         assert isinstance(get_backend("auto", "cpu"), TorchAttentionBackend)

@@ -15,13 +15,13 @@ import pytest
 
 CHECK = r"""
 import torch
-from engine.attention.torch_backend import (decode_attention_reference,
+from pdserve.engine.attention.torch_backend import (decode_attention_reference,
                                             prefill_attention_reference)
-from engine.cpu_kernels.build import library_path
-from engine.cpu_kernels.layer_ops import CpuLayerOps
-from engine.cpu_kernels.paged_decode import paged_decode_attention
-from engine.cpu_kernels.paged_prefill import paged_prefill_attention
-from engine.llama import LayerOps
+from pdserve.engine.cpu_kernels.build import library_path
+from pdserve.engine.cpu_kernels.layer_ops import CpuLayerOps
+from pdserve.engine.cpu_kernels.paged_decode import paged_decode_attention
+from pdserve.engine.cpu_kernels.paged_prefill import paged_prefill_attention
+from pdserve.engine.llama import LayerOps
 
 def close(got, want, dtype=torch.float32):
     # float32: summation order; bf16 inputs, float32 math, one rounding at the end

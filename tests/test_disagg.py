@@ -9,10 +9,9 @@ import grpc
 import pytest
 from conftest import tiny_engine
 
-from engine.sampling_params import SamplingParams
 from pdserve.convert import sampling_to_proto
-from pdserve.worker_runtime import WorkerConfig
-from protos.pdserve.v1 import (
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protos.pdserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
@@ -21,6 +20,7 @@ from protos.pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from pdserve.worker_runtime import WorkerConfig
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -30,8 +30,8 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 async def _start(kind: str, model_dir: str, **cfg):
-    from decode_worker.server import DecodeWorker
-    from prefill_worker.server import PrefillWorker
+    from pdserve.decode_worker.server import DecodeWorker
+    from pdserve.prefill_worker.server import PrefillWorker
 
     cls = DecodeWorker if kind == "decode" else PrefillWorker
     timeout = cfg.pop("timeout", 30.0)
@@ -133,7 +133,7 @@ def test_corrupt_chunk_rejected_cache_untouched(tiny_model_dir):
                 res = await d.Reserve(decode_pb2.ReserveRequest(
                     request_id="bad", prompt_token_ids=list(range(40)),
                     sampling=sampling_to_proto(GREEDY)))
-                from kvtransfer.wire import encode_layer
+                from pdserve.kvtransfer.wire import encode_layer
                 spec = dec.engine.kv_spec
                 k = dec.engine.kv_cache.data[0, 0, :res.num_blocks].clone() + 1
                 chunks = list(encode_layer(res.reservation_id, 0, list(range(res.num_blocks)),

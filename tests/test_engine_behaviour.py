@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import assert_pool_clean, hf_greedy, tiny_engine
 
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

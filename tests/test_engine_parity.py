@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_parity, assert_pool_clean, hf_greedy, tiny_engine
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 LENGTHS = [5, 17, 33, 64, 100, 180, 260, 400]
 
@@ -35,7 +35,7 @@ def _prompts(tokenizer, vocab: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_tiny_parity_one_batch(tiny_model_dir, backend):
     if backend == "triton":
-        pytest.importorskip("engine.attention.triton_backend")
+        pytest.importorskip("pdserve.engine.attention.triton_backend")
     eng = tiny_engine(tiny_model_dir, attention_backend=backend, max_num_batched_tokens=256,
                       num_kv_blocks=512)
     prompts = _prompts(eng.tokenizer, eng.dims.vocab_size)

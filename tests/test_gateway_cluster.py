@@ -12,9 +12,9 @@ import grpc
 import pytest
 from test_gateway_support import Cluster
 
-from gateway.registry import Role
-from gateway.server import Gateway, GatewayConfig
 from pdserve.client import PdserveClient
+from pdserve.gateway.registry import Role
+from pdserve.gateway.server import Gateway, GatewayConfig
 
 
 async def _all(*coros):
@@ -108,10 +108,10 @@ def test_workers_join_and_crash_at_runtime(tiny_model_dir):
 def test_real_smollm2_chat_matches_the_engine(tmp_path):
     import openai
 
-    from decode_worker.server import DecodeWorker
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.decode_worker.server import DecodeWorker
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.worker_runtime import WorkerConfig
 
     eng = LLMEngine(EngineConfig(model="smollm2-135m", kv_cache_memory="64MiB",

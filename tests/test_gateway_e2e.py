@@ -14,8 +14,8 @@ import pytest
 from conftest import tiny_engine
 from test_gateway_support import Cluster
 
-from engine.sampling_params import SamplingParams
 from pdserve.client import PdserveClient
+from pdserve.engine.sampling_params import SamplingParams
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because",
            "Hello",
@@ -237,12 +237,12 @@ def test_cli_serves_health_and_stops_on_sigterm(tiny_model_dir):
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    help_text = subprocess.run([sys.executable, "-m", "gateway", "--help"], check=True,
+    help_text = subprocess.run([sys.executable, "-m", "pdserve.gateway", "--help"], check=True,
                                capture_output=True, text=True).stdout
     for flag in ("--model", "--prefill", "--decode", "--disagg-threshold", "--max-queue",
                  "--max-inflight", "--heartbeat-timeout", "--default-max-tokens"):
         assert flag in help_text
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "--model", tiny_model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.gateway", "--model", tiny_model_dir,
                              "--http-port", "0", "--grpc-port", "0"],
                             stderr=subprocess.PIPE, text=True)
     try:

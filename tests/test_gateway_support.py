@@ -12,7 +12,7 @@ from typing import Any
 
 from conftest import tiny_engine
 
-from gateway.server import Gateway, GatewayConfig
+from pdserve.gateway.server import Gateway, GatewayConfig
 from pdserve.worker_runtime import WorkerConfig
 
 
@@ -47,8 +47,8 @@ class Cluster:
         return self.gateway.http_url + "/v1"
 
     def add_worker(self, kind: str, register: bool = True, **engine_kw) -> Any:
-        from decode_worker.server import DecodeWorker
-        from prefill_worker.server import PrefillWorker
+        from pdserve.decode_worker.server import DecodeWorker
+        from pdserve.prefill_worker.server import PrefillWorker
 
         engine_kw.setdefault("num_threads", 1)
         engine = tiny_engine(self.model_dir, **engine_kw)

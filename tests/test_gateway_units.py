@@ -7,22 +7,22 @@ import asyncio
 
 import pytest
 
-from engine.block_hash import block_hashes
-from engine.kv_cache import KVCacheSpec
-from gateway.admission import AdmissionController, Overloaded
-from gateway.errors import ErrorKind, GatewayError
-from gateway.openai_protocol import decode_body, parse_chat, parse_completion
-from gateway.output import StopMatcher, TextOutput
-from gateway.prompts import PromptProcessor
-from gateway.registry import Load, Role, WorkerRegistry, addresses
-from gateway.router import disaggregate, prefix_overlap, rank_decode, rank_prefill
+from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.gateway.admission import AdmissionController, Overloaded
+from pdserve.gateway.errors import ErrorKind, GatewayError
+from pdserve.gateway.openai_protocol import decode_body, parse_chat, parse_completion
+from pdserve.gateway.output import StopMatcher, TextOutput
+from pdserve.gateway.prompts import PromptProcessor
+from pdserve.gateway.registry import Load, Role, WorkerRegistry, addresses
+from pdserve.gateway.router import disaggregate, prefix_overlap, rank_decode, rank_prefill
 
 SPEC = KVCacheSpec(2, 64, 16, 2, 16, "float32")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.model_loader import load_tokenizer, resolve_model
+    from pdserve.engine.model_loader import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("smollm2-135m"))
 

@@ -16,15 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.torch_backend import (
+from pdserve.engine.attention.torch_backend import (
     decode_attention_reference,
     prefill_attention_reference,
     store_kv_reference,
 )
-from engine.kernels import interpreted, paged_offsets
-from engine.kernels.paged_decode_attention import paged_decode_attention, use_split_k
-from engine.kernels.prefill_attention import prefill_attention
-from engine.kernels.store_kv import store_kv
+from pdserve.engine.kernels import interpreted, paged_offsets
+from pdserve.engine.kernels.paged_decode_attention import paged_decode_attention, use_split_k
+from pdserve.engine.kernels.prefill_attention import prefill_attention
+from pdserve.engine.kernels.store_kv import store_kv
 
 pytestmark = pytest.mark.skipif(not interpreted() and not torch.cuda.is_available(),
                                 reason="kernels were compiled for a GPU and there is none")

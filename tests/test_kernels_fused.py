@@ -20,9 +20,9 @@ by step, so what is left is:
 import pytest
 import torch
 
-from engine.kernels import add_rms_norm, interpreted, rotary_embedding
-from engine.kernels.rms_norm import MAX_HIDDEN, add_rms_norm_reference, rows_per_program
-from engine.kernels.rotary import rope_reference, rotary_reference
+from pdserve.engine.kernels import add_rms_norm, interpreted, rotary_embedding
+from pdserve.engine.kernels.rms_norm import MAX_HIDDEN, add_rms_norm_reference, rows_per_program
+from pdserve.engine.kernels.rotary import rope_reference, rotary_reference
 
 pytestmark = pytest.mark.skipif(not interpreted() and not torch.cuda.is_available(),
                                 reason="kernels were compiled for a GPU and there is none")

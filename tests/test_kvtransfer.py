@@ -15,15 +15,15 @@ import pytest
 import torch
 from crc32c import crc32c
 
-from engine.kv_cache import KVCacheSpec
-from kvtransfer import KVChunkError, KVCommitInfo, KVTransferError
-from kvtransfer.blocks import copy_blocks, gather_blocks
-from kvtransfer.grpc_sender import GrpcKVTransport
-from kvtransfer.malloc_tuning import keep_freed_memory
-from kvtransfer.memory_sink import InMemoryKVSink
-from kvtransfer.receiver import KVTransferService
-from kvtransfer.sink import KVSink
-from kvtransfer.wire import (
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.kvtransfer import KVChunkError, KVCommitInfo, KVTransferError
+from pdserve.kvtransfer.blocks import copy_blocks, gather_blocks
+from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
+from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
+from pdserve.kvtransfer.memory_sink import InMemoryKVSink
+from pdserve.kvtransfer.receiver import KVTransferService
+from pdserve.kvtransfer.sink import KVSink
+from pdserve.kvtransfer.wire import (
     WireMessage,
     commit_from_proto,
     commit_to_proto,
@@ -32,7 +32,7 @@ from kvtransfer.wire import (
     encode_layer_messages,
     parse_message,
 )
-from protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+from pdserve.protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 T = TypeVar("T")
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cpu_kernels.layer_ops import CpuLayerOps, add_rms_norm, rope_, silu_mul
-from engine.llama import LayerOps
+from pdserve.engine.cpu_kernels.layer_ops import CpuLayerOps, add_rms_norm, rope_, silu_mul
+from pdserve.engine.llama import LayerOps
 
 REF, CPU = LayerOps(), CpuLayerOps()
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
@@ -137,8 +137,8 @@ def test_bad_input_raises(call, match):
 def test_model_picks_cpu_ops_and_falls_back(monkeypatch, caplog):
     import logging
 
-    from engine.cpu_kernels.build import KernelBuildError
-    from engine.llama import pick_layer_ops
+    from pdserve.engine.cpu_kernels.build import KernelBuildError
+    from pdserve.engine.llama import pick_layer_ops
 
     assert isinstance(pick_layer_ops(torch.device("cpu")), CpuLayerOps)
 

@@ -1,5 +1,5 @@
 """The committed stubs are exactly what protos/generate.py produces, and import as
-`protos.pdserve.v1` without touching the `pdserve` CLI package."""
+`pdserve.protos.pdserve.v1` without touching the `pdserve` CLI package."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_generated_stubs_are_up_to_date() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "protos.generate", "--check"],
+        [sys.executable, "-m", "pdserve.protos.generate", "--check"],
         cwd=ROOT, capture_output=True, text=True, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_stubs_import_under_protos_package() -> None:
-    from protos.pdserve.v1 import (
+    from pdserve.protos.pdserve.v1 import (
         common_pb2,
         decode_pb2_grpc,
         gateway_pb2_grpc,
@@ -39,7 +39,7 @@ def test_stubs_import_under_protos_package() -> None:
 
 
 def test_optional_sampling_fields_track_presence() -> None:
-    from protos.pdserve.v1 import common_pb2
+    from pdserve.protos.pdserve.v1 import common_pb2
 
     params = common_pb2.SamplingParams()
     assert not params.HasField("temperature") and not params.HasField("seed")

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, get_backend
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
-from engine.kernels import interpreted
+from pdserve.engine.attention import AttentionMetadata, get_backend
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+from pdserve.engine.kernels import interpreted
 
 # Compiled on a GPU by scripts/gpu_check.py; the torch backend stays on the CPU there
 # (its prefill reference builds masks on the CPU).

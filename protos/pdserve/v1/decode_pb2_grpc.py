@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
-from protos.pdserve.v1 import decode_pb2 as protos_dot_pdserve_dot_v1_dot_decode__pb2
+from pdserve.protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
+from pdserve.protos.pdserve.v1 import decode_pb2 as protos_dot_pdserve_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

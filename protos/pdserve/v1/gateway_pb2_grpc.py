@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.pdserve.v1 import gateway_pb2 as protos_dot_pdserve_dot_v1_dot_gateway__pb2
+from pdserve.protos.pdserve.v1 import gateway_pb2 as protos_dot_pdserve_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,0 +1,57 @@
+"""EngineConfig: every knob of one engine instance, validated in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pdserve.engine.kv_cache import dtype_from_name, parse_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "float32"  # float32 | bfloat16 (| float16 on GPU)
+    kv_cache_dtype: str | None = None  # None: the model's dtype
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: str | int = "1GiB"
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests use small pools)
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; default: all usable cores
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        dtype_from_name(self.dtype)
+        dtype_from_name(self.cache_dtype)
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got "
+                             f"{self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        parse_bytes(self.kv_cache_memory)
+
+    @property
+    def cache_dtype(self) -> str:
+        """The KV cache's dtype: kv_cache_dtype, else the model's."""
+        return self.kv_cache_dtype or self.dtype
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory)
+
+    def threads(self) -> int:
+        if self.num_threads:
+            return self.num_threads
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:
+            return os.cpu_count() or 1

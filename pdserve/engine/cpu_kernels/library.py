@@ -1,0 +1,64 @@
+"""Loading the compiled CPU kernels once per process and declaring their C signatures.
+
+`load()` builds the library on first use (pdserve.engine.cpu_kernels.build) and keeps it; a build
+or load failure is kept too and raised again on every later call, without retrying.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from pdserve.engine.cpu_kernels.build import KernelBuildError, build
+
+# The dtype codes every kernel takes (0 = float32, 1 = bfloat16, the upper half of one).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: KernelBuildError | None = None
+
+
+def load() -> ctypes.CDLL:
+    """The compiled library; raises KernelBuildError when it cannot be built or loaded."""
+    global _lib, _error
+    if _lib is not None:  # every layer of every step comes here
+        return _lib
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                lib = ctypes.CDLL(str(build()))
+            except OSError as e:
+                _error = KernelBuildError(f"could not load the CPU kernels: {e}")
+            except KernelBuildError as e:
+                _error = e
+            else:
+                _declare(lib)
+                _lib = lib
+        if _error is not None:
+            raise _error
+        return _lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    # paged_decode.c
+    lib.pd_validate.argtypes = [p, p, i64, i32, i32, i32, i64, ctypes.POINTER(i32),
+                                ctypes.POINTER(i64)]
+    lib.pd_validate.restype = i32
+    lib.pd_decode.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32,
+                              i32, i32]
+    lib.pd_decode.restype = i32
+    # paged_prefill.c
+    lib.pf_prefill.argtypes = [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, f32, i32,
+                               i32, i32]
+    lib.pf_prefill.restype = i32
+    # layer_ops.c
+    lib.lo_add_rms_norm.argtypes = [p, i64, p, p, p, i64, i32, f32, i32, i32]
+    lib.lo_add_rms_norm.restype = None
+    lib.lo_rope.argtypes = [p, i64, p, p, p, i64, i64, i32, i32, i32, i32]
+    lib.lo_rope.restype = i64
+    lib.lo_silu_mul.argtypes = [p, p, i64, i32, i32, i32]
+    lib.lo_silu_mul.restype = None

@@ -1,0 +1,221 @@
+"""The Llama-family forward pass over a flat, unpadded batch and a paged KV cache.
+
+One call runs T tokens from many sequences at once (varlen): no padding, one big matmul per
+projection. Q/K/V and gate/up projections are fused into single weights at load time.
+Logits are computed only for the rows the caller samples from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata
+from pdserve.engine.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position: int
+
+    @staticmethod
+    def from_hf_config(cfg: Any) -> LlamaDims:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return LlamaDims(
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position=cfg.max_position_embeddings,
+        )
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    o: torch.Tensor  # [H, Hq * D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
+
+
+LayerHook = Callable[[int], None]
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T through oneDNN's matmul. On the CPU `F.linear` in float32 goes to MKL's
+    sgemm, which re-packs the weight on every call: 1.2-2.5x slower at decode batch sizes
+    (up to 4x for the LM head), measured in docs/benchmarks.md section 1."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def pick_linear(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        return onednn_linear
+    return F.linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # computed in float32 like the reference implementation, then cast back
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Llama / transformers convention); cos/sin broadcast to x."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class LayerOps:
+    """The element-wise ops of a decoder layer in eager torch: the reference, and what runs
+    where no fused implementation exists (pdserve.engine.cpu_kernels.layer_ops has the CPU one)."""
+
+    name = "torch"
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta in place (the residual stream; None: no add), then RMSNorm(x)."""
+        if delta is not None:
+            x.add_(delta)
+        return rms_norm(x, weight, eps)
+
+    def rope_tables(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> Any:
+        """What `rope` needs for these positions, built once per forward for all layers."""
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D]
+
+    def rope(self, qk: torch.Tensor, tables: Any) -> torch.Tensor:
+        """qk [T, heads, D] with RoPE applied (in place where the implementation can)."""
+        return apply_rope(qk, *tables)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2I] = [gate | up]."""
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def pick_layer_ops(device: torch.device) -> LayerOps:
+    """The C ops on the CPU when they build (about 10 % of a CPU step is element-wise work in
+    eager torch), else the eager ones."""
+    if device.type == "cpu":
+        from pdserve.engine.cpu_kernels.build import KernelBuildError
+        from pdserve.engine.cpu_kernels.layer_ops import CpuLayerOps
+
+        try:
+            return CpuLayerOps()
+        except KernelBuildError as e:
+            logging.getLogger(__name__).warning("cpu layer ops unavailable, using torch: %s", e)
+    return LayerOps()
+
+
+class LlamaModel:
+    """Weights + forward. Not an nn.Module: nothing here is trained."""
+
+    def __init__(self, dims: LlamaDims, state: dict[str, torch.Tensor], hf_config: Any,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.dims = dims
+        self.dtype = dtype
+        self.device = device
+
+        def w(name: str) -> torch.Tensor:
+            return state[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = w("lm_head.weight") if "lm_head.weight" in state and not getattr(
+            hf_config, "tie_word_embeddings", False) else self.embed
+        self.final_norm = w("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(dims.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
+            gate_up = torch.cat([state[p + "mlp.gate_proj.weight"],
+                                 state[p + "mlp.up_proj.weight"]], dim=0)
+            self.layers.append(LayerWeights(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=qkv.to(device=device, dtype=dtype).contiguous(),
+                o=w(p + "self_attn.o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=gate_up.to(device=device, dtype=dtype).contiguous(),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        self._init_rope(hf_config)
+        self.linear = pick_linear(device)
+        self.ops = pick_layer_ops(device)
+
+    def _init_rope(self, hf_config: Any) -> None:
+        # The model's own RoPE parameters (theta, scaling type) as transformers computes them.
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rope = LlamaRotaryEmbedding(hf_config)
+        inv_freq = rope.inv_freq.float()
+        pos = torch.arange(self.dims.max_position, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = float(rope.attention_scaling)
+        # [max_position, D] each
+        self.cos = (emb.cos() * scaling).to(device=self.device, dtype=self.dtype)
+        self.sin = (emb.sin() * scaling).to(device=self.device, dtype=self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,  # [S] rows to compute logits for
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Logits [S, vocab] (float32) for the selected rows."""
+        d = self.dims
+        t = input_ids.shape[0]
+        q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        scale = d.head_dim ** -0.5
+        linear, ops, eps = self.linear, self.ops, d.rms_norm_eps
+        rope = ops.rope_tables(positions, self.cos, self.sin)
+        x = self.embed[input_ids]  # [T, H], the residual stream, updated in place
+        h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            qkv = linear(h, layer.qkv)
+            # RoPE on Q and K heads together: one pass instead of two
+            qk = ops.rope(qkv[:, :q_size + kv_size].view(t, d.num_heads + d.num_kv_heads,
+                                                         d.head_dim), rope)
+            q, k = qk[:, :d.num_heads], qk[:, d.num_heads:]
+            v = qkv[:, q_size + kv_size:].view(t, d.num_kv_heads, d.head_dim)
+            k_cache, v_cache = kv_cache.key(i), kv_cache.value(i)
+            backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = backend.forward(q, k_cache, v_cache, meta, scale)  # [T, Hq, D]
+            h = ops.add_rms_norm(x, linear(attn.reshape(t, q_size), layer.o), layer.post_norm,
+                                 eps)
+            mlp = linear(ops.silu_mul(linear(h, layer.gate_up)), layer.down)
+            if layer_hook is not None:
+                layer_hook(i)
+            if i + 1 < len(self.layers):
+                h = ops.add_rms_norm(x, mlp, self.layers[i + 1].input_norm, eps)
+        # the last layer's residual add only for the rows logits are computed for
+        x = ops.add_rms_norm(x[logits_indices], mlp[logits_indices], self.final_norm, eps)
+        return linear(x, self.lm_head).float()

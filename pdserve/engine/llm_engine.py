@@ -1,0 +1,281 @@
+"""LLMEngine: one worker's engine — scheduler + model runner + block pool, stepped by the
+caller (offline `generate`, or the AsyncEngine thread that the services use).
+
+A request's life: `add_request` validates and queues it; each `step` schedules a batch,
+runs it, appends sampled tokens, finishes sequences that hit a stop condition and returns
+their blocks. For disaggregation: `reserve` holds blocks for a prompt whose KV another
+worker computes; `commit_remote_kv` makes it a running sequence with its first token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.attention.backend import get_backend
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVCacheSpec, PagedKVCache, dtype_from_name
+from pdserve.engine.llama import LlamaDims, LlamaModel
+from pdserve.engine.model_loader import (
+    ModelSource,
+    eos_token_ids,
+    load_hf_weights,
+    load_tokenizer,
+    resolve_model,
+)
+from pdserve.engine.model_runner import KVLayerHook, ModelRunner
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+
+log = logging.getLogger("pdserve.engine")
+
+
+@dataclass(frozen=True)
+class SeqDelta:
+    """What one step produced for one sequence."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    arrival_time: float  # monotonic, when the engine accepted it
+    first_scheduled_time: float | None  # monotonic, when it first ran (or KV committed)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One step as the scheduler saw it: (request id, tokens computed) per sequence."""
+
+    step: int
+    scheduled: tuple[tuple[str, int], ...]
+    preempted: tuple[str, ...]
+    finished: tuple[str, ...]
+    forward_seconds: float  # the model forward alone
+    total_seconds: float  # schedule + prepare + forward + sample + bookkeeping
+    used_slots: int  # cache slots holding computed tokens of running sequences
+    allocated_slots: int  # slots of the blocks those sequences hold
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, kv_layer_hook: KVLayerHook | None = None) -> None:
+        self.config = config
+        torch.set_num_threads(config.threads())
+        self.source: ModelSource = resolve_model(config.model)
+        hf_config, state = load_hf_weights(self.source, config.show_progress)
+        self.hf_config = hf_config
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.source)
+        self.dims = LlamaDims.from_hf_config(hf_config)
+        device = torch.device(config.device)
+        self.model = LlamaModel(self.dims, state, hf_config, dtype_from_name(config.dtype),
+                                device)
+        del state
+        d = self.dims
+        num_blocks = config.num_kv_blocks or KVCacheSpec.blocks_for_budget(
+            config.kv_cache_bytes, d.num_layers, config.block_size, d.num_kv_heads, d.head_dim,
+            config.cache_dtype)
+        self.kv_spec = KVCacheSpec(d.num_layers, num_blocks, config.block_size, d.num_kv_heads,
+                                   d.head_dim, config.cache_dtype)
+        self.kv_cache = PagedKVCache(self.kv_spec, device)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_cache, get_backend(
+            config.attention_backend, device), self.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or d.max_position, d.max_position)
+        self.kv_layer_hook = kv_layer_hook
+        self.seqs: dict[str, Sequence] = {}
+        self.counters = EngineCounters()
+        self.trace: list[StepTrace] | None = None  # set to [] to record every step
+        self.on_finish: Callable[[Sequence], None] | None = None
+        log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), attention backend "
+                 "%s, layer ops %s", self.source.name, num_blocks, config.block_size,
+                 num_blocks * self.kv_spec.bytes_per_block_all_layers / 2**20,
+                 self.runner.backend.name, self.runner.model.ops.name)
+
+    # -- requests ---------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must contain at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt: {n} tokens does not fit the model's context of "
+                             f"{self.max_model_len} tokens")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.max_model_len} tokens")
+        vocab = self.dims.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        need = self.pool.blocks_needed(n + params.max_tokens)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"max_tokens: the request needs {need} KV blocks, this worker's "
+                             f"cache holds {self.pool.num_blocks}")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Sequence:
+        if request_id in self.seqs:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = self.encode_prompt(prompt)
+        self.validate(ids, params)
+        seq = Sequence(request_id, ids, params, arrival_time=time.monotonic(),
+                       prefill_only=prefill_only)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self.counters.prompt_tokens += len(ids)
+        return seq
+
+    def abort_request(self, request_id: str) -> SeqDelta | None:
+        """Finish a request as aborted and free its blocks; the final (empty) delta, or
+        None when the request is unknown or already finished."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        if not seq.is_finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._count_finish(seq)
+        return self._delta(seq, [], [])
+
+    # -- disaggregation ---------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                ) -> Sequence:
+        """Hold blocks for a prompt whose KV another worker pushes. RuntimeError if full."""
+        if request_id in self.seqs:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        if not self.scheduler.can_reserve(len(prompt_token_ids)):
+            raise RuntimeError(
+                f"no room: {self.pool.blocks_needed(len(prompt_token_ids))} KV blocks needed, "
+                f"{self.pool.num_free_blocks} free")
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=time.monotonic())
+        self.scheduler.reserve(seq)
+        self.seqs[request_id] = seq
+        return seq
+
+    def commit_remote_kv(self, request_id: str, first_token: int,
+                         logprobs: TokenLogprobs | None = None) -> SeqDelta:
+        """The prompt's KV is in the reserved blocks; append the first token and run."""
+        seq = self.seqs[request_id]
+        self.scheduler.commit_remote_kv(seq)
+        self.counters.prompt_tokens += seq.num_prompt_tokens
+        return self._append_token(seq, first_token, logprobs)
+
+    # -- stepping ---------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[SeqDelta]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        results = self.runner.run(sched.scheduled, self.kv_layer_hook)
+        forward_s = self.runner.last_timing.forward_s
+        self.scheduler.after_step(sched.scheduled)
+        if self.trace is not None:  # before finished sequences give their blocks back
+            used = sum(s.seq.num_computed_tokens for s in sched.scheduled)
+            allocated = sum(len(s.seq.block_table) for s in sched.scheduled) * self.pool.block_size
+        deltas = [self._append_token(s.seq, tok, lp) for s, tok, lp in results]
+        total = time.perf_counter() - t0
+        c = self.counters
+        c.steps += 1
+        c.forward_seconds += forward_s
+        c.step_seconds += total
+        if self.trace is not None:
+            self.trace.append(StepTrace(
+                c.steps, tuple((s.seq.request_id, s.num_new_tokens) for s in sched.scheduled),
+                tuple(s.request_id for s in sched.preempted),
+                tuple(d.request_id for d in deltas if d.finished), forward_s, total, used,
+                allocated))
+        return deltas
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SeqDelta:
+        seq.output_token_ids.append(token)
+        if lp is not None:
+            seq.output_logprobs.append(lp)
+        self.counters.generation_tokens += 1
+        status = self._stop_status(seq, token)
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            self.seqs.pop(seq.request_id, None)
+            self._count_finish(seq)
+        return self._delta(seq, [token], [lp] if lp is not None else [])
+
+    def _delta(self, seq: Sequence, tokens: list[int], lps: list[TokenLogprobs]) -> SeqDelta:
+        return SeqDelta(seq.request_id, tokens, lps, seq.is_finished, seq.finish_reason,
+                        seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                        seq.arrival_time, seq.first_scheduled_time)
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        p = seq.params
+        if seq.prefill_only:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _count_finish(self, seq: Sequence) -> None:
+        reason = seq.finish_reason or "abort"
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        if self.on_finish is not None:
+            self.on_finish(seq)
+
+    # -- offline API ------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run every prompt to completion, continuously batched; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(f"offline-{id(prompts)}-{i}", p, sp)
+                for i, (p, sp) in enumerate(zip(prompts, plist))]
+        while self.has_unfinished():
+            self.step()
+        return [self._output(s) for s in seqs]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                             list(seq.output_logprobs), seq.finish_reason, text)

@@ -1,0 +1,115 @@
+"""The sampler: logits of the rows being sampled -> one token (and logprobs) per row.
+
+Order per row: penalties -> min_tokens masking -> (greedy argmax) | temperature -> top-k ->
+top-p -> min-p -> draw. Logprobs are of the raw model distribution (before any processing),
+which is what OpenAI-compatible servers report. A row with a seed draws from a generator
+seeded by (seed, output position), so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+
+def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    p = row.params
+    vocab = logits.shape[-1]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                            dtype=torch.long)
+        seen = seen[seen < vocab]
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                   vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long),
+                                minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
+            logits.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on one row of logits (float32)."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (keeps at least one)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop),
+                                    float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def _draw(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
+    probs = logits.softmax(-1)
+    if p.seed is not None:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed((p.seed * 1_000_003 + position) % (2**63))
+        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=gen)
+    else:
+        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_()
+    # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race)
+    return int((probs.cpu() / noise).argmax())
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[tuple[int, TokenLogprobs | None]]:
+    """logits [S, vocab] float32 -> (token id, logprobs or None) per row."""
+    assert logits.shape[0] == len(rows)
+    simple = all(r.params.greedy and r.params.repetition_penalty == 1.0
+                 and not r.params.presence_penalty and not r.params.frequency_penalty
+                 and r.params.min_tokens <= len(r.output_token_ids) for r in rows)
+    if simple:
+        tokens = logits.argmax(-1).tolist()
+    else:
+        tokens = []
+        for i, row in enumerate(rows):
+            x = logits[i].clone()
+            x = _apply_penalties(x, row)
+            p = row.params
+            if len(row.output_token_ids) < p.min_tokens:
+                banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < x.shape[-1]]
+                if banned:
+                    x[banned] = float("-inf")
+            if p.greedy:
+                tokens.append(int(x.argmax()))
+            else:
+                tokens.append(_draw(_filter(x, p), p, len(row.output_token_ids)))
+    out: list[tuple[int, TokenLogprobs | None]] = []
+    need_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    lps = logits[need_lp].log_softmax(-1) if need_lp else None
+    j = 0
+    for i, row in enumerate(rows):
+        info = None
+        if row.params.logprobs is not None:
+            lp = lps[j]
+            j += 1
+            top = ()
+            if row.params.logprobs:
+                vals, idx = torch.topk(lp, row.params.logprobs)
+                top = tuple(zip(idx.tolist(), vals.tolist()))
+            info = TokenLogprobs(tokens[i], float(lp[tokens[i]]), top)
+        out.append((tokens[i], info))
+    return out
