@@ -1,15 +1,19 @@
-"""ReservationTable: the decode worker's side of a KV transfer — the `KVSink` the
-KV-transfer receiver writes through.
+"""ReservationTable: the decode worker's table of open reservations (ids, deadlines) and
+the `KVSink` the KV-transfer receiver writes through. It holds no tensors and touches no
+engine state: every reserve, write, commit and abort is a command to the engine's KV
+connector, applied on the engine thread (`AsyncEngine`).
 
-Life cycle of a reservation (all on the event loop thread):
+Life cycle of a reservation (the table's side runs on the event loop thread):
 
-    reserve()      OPEN       blocks held by a WAITING_FOR_KV sequence in the engine
-    write_kv()     OPEN       K/V copied straight into those blocks (nobody else reads them)
-    commit_kv()    COMMITTED  the engine appends the first token; the sequence runs
-    abort_kv() / release() / expiry   gone: the engine frees the blocks
+    reserve()      OPEN       the connector holds blocks for a WAITING_FOR_KV sequence
+    write_kv()     OPEN       K/V queued to the engine thread, copied into those blocks
+    commit_kv()    COMMITTED  (awaited) the connector checks the first token and the
+                              sequence runs; a refused commit reopens it for the abort
+    abort_kv() / release() / expiry   gone: the connector frees the blocks
 
-A reservation leaves the table *before* the engine is told to free its blocks, so a late
-chunk can never write into blocks that were handed to someone else.
+A reservation leaves the table *before* the engine is told to free its blocks, and the
+engine applies commands in the order sent, so a late chunk can never write into blocks
+that were handed to someone else.
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import TokenLogprobs
-from pdserve.kvtransfer.blocks import copy_blocks
 from pdserve.kvtransfer.sink import KVCommitInfo
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("pdserve.decode")
 
@@ -52,8 +57,7 @@ class ReservationTable:
         self._by_request: dict[str, str] = {}
         self.commits: dict[str, KVCommitInfo] = {}  # request id -> commit (until it streams)
         self._task: asyncio.Task | None = None
-        kv = aengine.engine.kv_cache
-        self._kv = kv
+        self._spec = aengine.engine.kv_spec  # immutable: the layout Reserve replies with
 
     # -- reservations -----------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: list[int],
@@ -92,7 +96,7 @@ class ReservationTable:
     # -- KVSink -----------------------------------------------------------------------------
     @property
     def kv_spec(self) -> KVCacheSpec:
-        return self._kv.spec
+        return self._spec
 
     def reservation_num_blocks(self, reservation_id: str) -> int | None:
         e = self._open.get(reservation_id)
@@ -105,22 +109,30 @@ class ReservationTable:
         e = self._open.get(reservation_id)
         if e is None or e.committed:
             raise KeyError(reservation_id)
-        phys = [e.block_ids[i] for i in block_indices]
-        copy_blocks(self._kv.data[layer, 0], phys, k)
-        copy_blocks(self._kv.data[layer, 1], phys, v)
+        self.aengine.write_kv(e.request_id, layer, block_indices, k, v)
 
-    def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None:
-        e = self._open[reservation_id]
-        e.committed = True
-        self.commits[e.request_id] = commit
+    async def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None:
+        e = self._open.get(reservation_id)
+        if e is None or e.committed:
+            raise KeyError(reservation_id)
+        e.committed = True  # neither expires nor takes KV while the engine commits
+        self.commits[e.request_id] = commit  # before the first token can reach Decode
         lp = None
         if commit.first_token_logprob is not None:
             lp = TokenLogprobs(commit.first_token_id, commit.first_token_logprob,
                                commit.first_token_top_logprobs)
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(self.aengine.commit(e.request_id, commit.first_token_id, lp))
-        task.add_done_callback(lambda t: t.exception() and log.error(
-            "commit of %s failed: %s", e.request_id, t.exception()))
+        task = asyncio.ensure_future(self.aengine.commit(e.request_id, commit.first_token_id,
+                                                         lp))
+        # registered before the shield's own callback: runs before this coroutine resumes
+        task.add_done_callback(lambda t: self._commit_done(e, t))
+        # the KV is complete and checked: a cancelled push does not undo its commit
+        await asyncio.shield(task)
+
+    def _commit_done(self, e: _Entry, task: asyncio.Future) -> None:
+        if task.cancelled() or task.exception() is not None:
+            # refused: open again, so the receiver's abort (or expiry) frees the blocks
+            e.committed = False
+            self.commits.pop(e.request_id, None)
 
     def abort_kv(self, reservation_id: str, reason: str) -> None:
         self.release(reservation_id, reason)

@@ -7,7 +7,6 @@ decode worker made before any prefill work began.
 - `wire`: the chunk format (header + raw K then V bytes + CRC-32C), its validation, and the
   copy-free (de)serialization of chunk messages used on both ends.
 - `sink`: `KVSink`, what the decode engine implements to receive KV, and `KVCommitInfo`.
-- `blocks`: copying whole blocks out of / into a layer's K or V tensor (sender, sinks).
 - `memory_sink`: `InMemoryKVSink`, a real sink over a `PagedKVCache` (tests, warm-up).
 - `receiver`: `KVTransferService`, the `KVTransfer.Push` servicer hosted by decode workers.
 - `transport`: the sender interface prefill workers use (`KVTransport`, `KVPushStream`).

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -46,6 +46,7 @@ class _Layer:
     block_indices: list[int]
     k: torch.Tensor
     v: torch.Tensor
+    wait: Callable[[], None] | None
 
 
 class GrpcKVPushStream(KVPushStream):
@@ -78,6 +79,8 @@ class GrpcKVPushStream(KVPushStream):
                 if isinstance(item, _Layer):
                     if self._aborting:
                         continue
+                    if item.wait is not None:
+                        item.wait()  # the tensors' copy has landed
                     for chunk in encode_layer_messages(
                         self.reservation_id, item.layer, item.block_indices, item.k, item.v,
                         first_seq=self._num_chunks, max_chunk_bytes=self._max_chunk_bytes,
@@ -100,7 +103,7 @@ class GrpcKVPushStream(KVPushStream):
 
     def push_layer(
         self, layer: int, block_indices: Sequence[int], k_blocks: torch.Tensor,
-        v_blocks: torch.Tensor,
+        v_blocks: torch.Tensor, wait: Callable[[], None] | None = None,
     ) -> None:
         if self._closed:
             raise RuntimeError(f"push_layer after commit/abort of {self.reservation_id}")
@@ -116,7 +119,8 @@ class GrpcKVPushStream(KVPushStream):
                 )
         if self._future.done():
             return  # already failed; commit() reports why
-        self._queue.put(_Layer(layer, [int(i) for i in block_indices], k_blocks, v_blocks))
+        self._queue.put(_Layer(layer, [int(i) for i in block_indices], k_blocks, v_blocks,
+                               wait))
 
     def commit(self, info: KVCommitInfo, timeout_s: float | None = None) -> PushResult:
         if self._closed:

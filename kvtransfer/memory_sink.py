@@ -14,8 +14,8 @@ from collections import deque
 
 import torch
 
+from pdserve.engine.kv_blocks import copy_blocks
 from pdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
-from pdserve.kvtransfer.blocks import copy_blocks
 from pdserve.kvtransfer.sink import KVCommitInfo
 
 
@@ -80,7 +80,7 @@ class InMemoryKVSink:
             copy_blocks(self.cache.key(layer), phys, k)
             copy_blocks(self.cache.value(layer), phys, v)
 
-    def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None:
+    async def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None:
         with self._lock:
             self._committed[reservation_id] = self._open.pop(reservation_id)
             self.commits[reservation_id] = commit

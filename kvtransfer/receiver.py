@@ -7,7 +7,8 @@ Life cycle of one transfer (one Push stream, one reservation):
                                 dtype, shape, block indices, size, crc32c), then written
                                 through `KVSink.write_kv`
     KVCommit                 -> chunk count and coverage of every (layer, block) checked,
-                                then `KVSink.commit_kv`; the sequence joins the decode batch
+                                then `KVSink.commit_kv` (awaited; the engine checks the
+                                token ids); the sequence joins the decode batch
     | KVAbort / error / cancel -> `KVSink.abort_kv`: the reservation's blocks are freed and
                                 the call ends with a status (below)
     | expiry (decode worker) -> the sink forgets the reservation; the next chunk or the
@@ -140,7 +141,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
             if kind == "chunk":
                 self._write(transfer, body, msg.payload)
             elif kind == "commit":
-                return self._commit(transfer, body)
+                return await self._commit(transfer, body)
             else:  # abort
                 raise _Reject(grpc.StatusCode.CANCELLED,
                               f"sender aborted: {body.reason}", abort_reservation=True)
@@ -190,8 +191,8 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
         transfer.num_bytes += decoded.num_bytes
         self.bytes_received += decoded.num_bytes
 
-    def _commit(self, transfer: _Transfer, commit: kvtransfer_pb2.KVCommit
-                ) -> kvtransfer_pb2.PushAck:
+    async def _commit(self, transfer: _Transfer, commit: kvtransfer_pb2.KVCommit
+                      ) -> kvtransfer_pb2.PushAck:
         if commit.num_chunks != transfer.num_chunks:
             raise KVChunkError(
                 "num_chunks", f"commit says {commit.num_chunks}, received {transfer.num_chunks}"
@@ -211,7 +212,14 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                 f"of {bs} (expected {lo}..{hi})",
             )
         info = commit_from_proto(commit)
-        self._sink.commit_kv(transfer.reservation_id, info)
+        try:
+            await self._sink.commit_kv(transfer.reservation_id, info)
+        except KeyError:
+            raise _Reject(grpc.StatusCode.NOT_FOUND,
+                          f"reservation {transfer.reservation_id!r} vanished before its commit",
+                          abort_reservation=True) from None
+        except ValueError as e:  # the engine refused a field, e.g. first_token_id
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e), True) from None
         transfer.done = True
         self._active.discard(transfer.reservation_id)
         self.num_committed += 1

@@ -1,9 +1,10 @@
-"""The receiving end's contract: `KVSink`, which the decode engine implements, and
-`KVCommitInfo`, what a finished transfer hands it.
+"""The receiving end's contract: `KVSink`, which the decode worker implements over its
+engine's KV connector, and `KVCommitInfo`, what a finished transfer hands it.
 
-The receiver (`pdserve.kvtransfer.receiver`) validates every chunk before it calls the sink, so a
-sink only copies tensors and keeps its own bookkeeping. Calls come from the decode
-worker's event loop thread; each must be quick (a tensor copy, a dict update).
+The receiver (`pdserve.kvtransfer.receiver`) validates every chunk before it calls the
+sink, so a sink only moves tensors on and keeps its own bookkeeping. Calls come from the
+decode worker's event loop thread and never block it: a sink over an engine queues writes
+to the engine thread, and `commit_kv` is a coroutine that waits for the engine.
 """
 
 from __future__ import annotations
@@ -52,10 +53,14 @@ class KVSink(Protocol):
       and for one that no longer accepts KV (committed, aborted or expired).
     - `write_kv` receives validated tensors `[n, block_size, kv_heads, head_dim]` of the
       spec's dtype on the CPU: read-only views of the received message (no copy was made),
-      which the sink copies into its cache and must not write to. It raises KeyError if
-      the reservation is gone.
-    - `commit_kv` is called once, after every (layer, block) was written; from then on the
-      sequence belongs to the decode scheduler, which frees the blocks when it finishes.
+      which the sink copies into its cache (at once, or later but before the commit: the
+      views keep the message alive) and must not write to. It raises KeyError if the
+      reservation is gone.
+    - `commit_kv` (awaited) is called once, after every (layer, block) was written; from
+      then on the sequence belongs to the decode scheduler, which frees the blocks when it
+      finishes. It raises ValueError (the message starting with the field) when the
+      commit is invalid and KeyError when the reservation is gone; the receiver then
+      aborts the reservation.
     - `abort_kv` frees the reservation's blocks; it is a no-op for an unknown reservation.
     """
 
@@ -69,6 +74,6 @@ class KVSink(Protocol):
         k: torch.Tensor, v: torch.Tensor,
     ) -> None: ...
 
-    def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None: ...
+    async def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None: ...
 
     def abort_kv(self, reservation_id: str, reason: str) -> None: ...

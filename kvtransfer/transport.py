@@ -12,7 +12,7 @@ memory or RDMA transports implement the same two classes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -46,13 +46,14 @@ class KVPushStream(ABC):
     @abstractmethod
     def push_layer(
         self, layer: int, block_indices: Sequence[int], k_blocks: torch.Tensor,
-        v_blocks: torch.Tensor,
+        v_blocks: torch.Tensor, wait: Callable[[], None] | None = None,
     ) -> None:
         """Queues a layer's blocks and returns at once; sending overlaps later compute.
 
         k_blocks, v_blocks: [n, block_size, kv_heads, head_dim] of the spec's dtype, owned
-        by the stream from now on (pass copies), readable from another thread (CPU tensors,
-        or device tensors whose producing stream is synchronized). block_indices are the
+        by the stream from now on (pass copies), readable from another thread once `wait`
+        (when given: a copy's CUDA event, `KVLayerCopy.wait`) has returned, which the
+        stream calls on its sending thread before reading them. block_indices are the
         logical indices within the reservation. Raises ValueError on a shape/dtype/layer
         mismatch; a failure of the transfer itself surfaces in `commit`.
         """

@@ -249,6 +249,7 @@ class WorkerBase:
     role = ""  # "prefill" | "decode"
     role_proto = 0  # gateway_pb2.WorkerRole value
     service_names: tuple[str, ...] = ()  # full names of the tier's gRPC services
+    max_prefix_hashes = 0  # cached prefix hashes the engine's stats carry (AsyncEngine)
 
     def __init__(self, config: WorkerConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
@@ -272,7 +273,7 @@ class WorkerBase:
         self.engine = self._engine or await asyncio.to_thread(LLMEngine, cfg.engine)
         self.model_name = cfg.engine.model
         self.metrics = TierMetrics(self.model_name, self.role, self.worker_id)
-        self.aengine = AsyncEngine(self.engine)
+        self.aengine = AsyncEngine(self.engine, self.max_prefix_hashes)
         self.aengine.start()
         self.add_services(self.grpc.services)
         if cfg.metrics_port is not None:

@@ -3,8 +3,9 @@
 Life of one Prefill call:
     validate (layout matches the decode worker's, reservation covers the prompt)
     -> open a KV push stream to the decode worker's reservation
-    -> the engine batches the prompt with others (chunked, prefix-cached); its last chunk
-       pushes KV layer by layer (KVPusher) and samples the first token
+    -> the engine batches the prompt with others (chunked, prefix-cached); in its last
+       chunk the engine's KV connector saves KV layer by layer into the stream
+       (StreamSaver) and the first token is sampled
     -> commit the transfer with the first token; reply with it and the timing split
 Any failure aborts the transfer, which frees the reservation at the decode worker.
 """
@@ -29,17 +30,16 @@ from pdserve.engine.async_engine import AsyncEngine, RequestError
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVTransferError, KVTransport
 from pdserve.metrics import TierMetrics
-from pdserve.prefill_worker.kv_pusher import KVPusher
+from pdserve.prefill_worker.kv_pusher import StreamSaver
 from pdserve.protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
 
 
 class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, aengine: AsyncEngine, pusher: KVPusher, transport: KVTransport,
-                 metrics: TierMetrics, stats) -> None:
+    def __init__(self, aengine: AsyncEngine, transport: KVTransport, metrics: TierMetrics,
+                 stats) -> None:
         self.aengine = aengine
-        self.pusher = pusher
         self.transport = transport
         self.metrics = metrics
         self._stats = stats
@@ -84,11 +84,11 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         stream = self.transport.open(request.decode_address, request.reservation_id, spec)
-        self.pusher.register(request_id, stream, need)
         committed = False
         try:
             delta = None
-            async for d in self.aengine.generate(request_id, ids, params, prefill_only=True):
+            async for d in self.aengine.generate(request_id, ids, params, prefill_only=True,
+                                                 kv_saver=StreamSaver(stream)):
                 delta = d
             if delta is None or not delta.new_token_ids:
                 raise RequestError("prefill was aborted")
@@ -115,7 +115,6 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
         except RequestError as e:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
-            self.pusher.unregister(request_id)
             if not committed:
                 stream.abort("prefill did not complete")
         m = self.metrics

@@ -1,10 +1,12 @@
 """AsyncEngine: an LLMEngine stepped on its own thread, driven from asyncio.
 
-The engine thread owns every piece of engine state (scheduler, pool, sequences): asyncio
-callers never touch it directly but send commands (add, abort, reserve, commit) that the
-thread applies between steps, and receive each request's `SeqDelta`s on an asyncio queue.
-So RPC handlers stay responsive while the model computes, and a request submitted during a
-step joins the running batch at the next one.
+The engine thread owns every piece of engine state (scheduler, pool, sequences, the KV
+cache): asyncio callers never touch it directly but send commands (add, abort, and the KV
+connector's reserve / write / commit / abort) that the thread applies between steps, in
+the order sent, and receive each request's `SeqDelta`s on an asyncio queue. So RPC
+handlers stay responsive while the model computes, and a request submitted during a step
+joins the running batch at the next one. What callers may read is the `EngineStats`
+snapshot the thread publishes after every step (prefix hashes included).
 
 A request's stream ends with a delta whose `finished` is True, or with an exception
 (`RequestError`) when the engine failed it.
@@ -19,9 +21,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from pdserve.engine.kv_connector import KVReservation, KVSaver
 from pdserve.engine.llm_engine import LLMEngine, SeqDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import SequenceStatus, TokenLogprobs
@@ -31,13 +37,6 @@ log = logging.getLogger("pdserve.engine")
 
 class RequestError(RuntimeError):
     """The engine could not finish a request (it failed or was shut down)."""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    request_id: str
-    block_ids: tuple[int, ...]
-    num_prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -55,20 +54,26 @@ class EngineStats:
     preemptions: int
     tokens_per_s: float  # generated tokens/s over the recent window
     steps: int
+    # hashes of the cached prefix blocks, newest last, at most `max_prefix_hashes`
+    prefix_hashes: tuple[int, ...] = ()
 
 
 _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_prefix_hashes: int = 0) -> None:
+        """max_prefix_hashes: how many cached prefix hashes the stats carry (0: none)."""
         self.engine = engine
+        self.max_prefix_hashes = max_prefix_hashes
         self._cmds: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stats = self._snapshot()
         self._rate_window: list[tuple[float, int]] = []
+        self._hashes: tuple[int, ...] = ()
+        self._hash_version = -1
+        self._stats = self._snapshot()
         self.step_listeners: list[Callable[[list[SeqDelta]], None]] = []
 
     # -- life cycle -------------------------------------------------------------------------
@@ -98,21 +103,23 @@ class AsyncEngine:
         return q
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
-                          params: SamplingParams, prefill_only: bool = False) -> None:
-        """Queue a request; ValueError (naming the field) when it is invalid."""
+                          params: SamplingParams, prefill_only: bool = False,
+                          kv_saver: KVSaver | None = None) -> None:
+        """Queue a request; ValueError (naming the field) when it is invalid. A
+        `kv_saver` receives the prompt's KV layer by layer (the KV connector's save side)."""
         self._open_stream(request_id)
         try:
             await self._call(lambda: self.engine.add_request(
-                request_id, prompt_token_ids, params, prefill_only) and None)
+                request_id, prompt_token_ids, params, prefill_only, kv_saver) and None)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, prefill_only: bool = False
-                       ) -> AsyncIterator[SeqDelta]:
+                       params: SamplingParams, prefill_only: bool = False,
+                       kv_saver: KVSaver | None = None) -> AsyncIterator[SeqDelta]:
         """Add a request and stream its deltas; leaving early (cancel, close) aborts it."""
-        await self.add_request(request_id, prompt_token_ids, params, prefill_only)
+        await self.add_request(request_id, prompt_token_ids, params, prefill_only, kv_saver)
         async for delta in self.stream(request_id):
             yield delta
 
@@ -144,42 +151,51 @@ class AsyncEngine:
         """Like `abort`; True when the request was still live."""
         return await self._call(lambda: self._abort_now(request_id))
 
-    def _abort_now(self, request_id: str) -> bool:
-        delta = self.engine.abort_request(request_id)
+    def _abort_now(self, request_id: str,
+                   abort: Callable[[str], SeqDelta | None] | None = None) -> bool:
+        delta = (abort or self.engine.abort_request)(request_id)
         if delta is not None:
             self._publish([delta])
         return delta is not None
 
+    # -- the KV connector's load side: every call is applied on the engine thread --------
     async def reserve(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> Reservation:
-        """Blocks for a prompt whose KV is pushed from elsewhere; RuntimeError when full."""
+                      params: SamplingParams) -> KVReservation:
+        """Blocks for a prompt whose KV is pushed from elsewhere; ValueError: an invalid
+        request, RuntimeError: no room."""
         self._open_stream(request_id)
-
-        def do() -> Reservation:
-            seq = self.engine.reserve(request_id, prompt_token_ids, params)
-            return Reservation(request_id, tuple(seq.block_table), seq.num_prompt_tokens)
         try:
-            return await self._call(do)
+            return await self._call(lambda: self.engine.kv_connector.reserve(
+                request_id, prompt_token_ids, params))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
 
+    def write_kv(self, request_id: str, layer: int, block_indices: Seq[int],
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+        """Queue a write of KV into a reservation's blocks (logical indices) and return at
+        once: the engine thread applies it at the next step boundary, before any later
+        command. k and v must stay unchanged until then. A failed write is logged and makes
+        the reservation's commit fail."""
+        self._cmds.put((lambda: self.engine.kv_connector.write(
+            request_id, layer, block_indices, k, v), None))
+
     async def commit(self, request_id: str, first_token: int,
                      logprobs: TokenLogprobs | None = None) -> None:
-        """The reserved prompt's KV is written: join the batch with the first token."""
+        """The reserved prompt's KV is written (every `write_kv` before this is applied
+        first): join the batch with the first token. ValueError (naming the field) when a
+        token id is out of range, KeyError when the reservation is gone; either way the
+        engine is unchanged."""
         await self._call(lambda: self._publish(
-            [self.engine.commit_remote_kv(request_id, first_token, logprobs)]))
+            [self.engine.kv_connector.commit(request_id, first_token, logprobs)]))
 
     async def cancel_reservation(self, request_id: str) -> bool:
         """Free a reservation's blocks; a stream waiting on it ends with "abort"."""
-        return await self._call(lambda: self._abort_now(request_id))
+        return await self._call(
+            lambda: self._abort_now(request_id, self.engine.kv_connector.abort))
 
     def stats(self) -> EngineStats:
         return self._stats
-
-    async def run_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps (for inspection in tests)."""
-        return await self._call(lambda: fn(self.engine))
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -211,6 +227,8 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple[Callable[[], Any], concurrent.futures.Future | None]) -> None:
         fn, fut = cmd
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return  # the caller gave up before the command ran: do nothing
         try:
             result = fn()
         except Exception as e:
@@ -252,13 +270,16 @@ class AsyncEngine:
         s = eng.scheduler
         ps = eng.pool.stats()
         now = time.monotonic()
-        window = getattr(self, "_rate_window", [])
+        window = self._rate_window
         while window and now - window[0][0] > 5.0:
             window.pop(0)
         rate = sum(n for _, n in window) / 5.0 if window else 0.0
         reserved = sum(1 for q in eng.seqs.values()
                        if q.status == SequenceStatus.WAITING_FOR_KV)
+        if self.max_prefix_hashes and eng.pool.hash_version != self._hash_version:
+            self._hashes = tuple(eng.pool.cached_hashes(self.max_prefix_hashes))
+            self._hash_version = eng.pool.hash_version
         return EngineStats(len(s.running), len(s.waiting), reserved, ps.free, ps.total,
                            ps.cached, eng.counters.prompt_tokens,
                            eng.counters.generation_tokens, ps.prefix_queries, ps.prefix_hits,
-                           s.num_preemptions, rate, eng.counters.steps)
+                           s.num_preemptions, rate, eng.counters.steps, self._hashes)

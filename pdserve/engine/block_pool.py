@@ -14,6 +14,7 @@ A cached block is reused only when its stored token ids also match (hash collisi
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -50,7 +51,8 @@ class BlockPool:
         # ref_count == 0 blocks, least recently released first
         self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._num_cached = 0  # blocks in _lru that hold a hash; kept as they move
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[int, int] = {}  # in registration order
+        self.hash_version = 0  # changes whenever the set of cached hashes does
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.evictions = 0
@@ -72,9 +74,13 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def cached_hashes(self) -> list[int]:
-        """Hashes of every block holding a registered prefix (in use or cached)."""
-        return list(self._hash_to_block)
+    def cached_hashes(self, limit: int | None = None) -> list[int]:
+        """Hashes of the blocks holding a registered prefix (in use or cached), oldest
+        first; with `limit`, only the newest `limit` of them."""
+        if limit is None or limit >= len(self._hash_to_block):
+            return list(self._hash_to_block)
+        newest = list(itertools.islice(reversed(self._hash_to_block), limit))
+        return newest[::-1]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -155,6 +161,7 @@ class BlockPool:
             block.block_hash = parent
             block.token_ids = chunk
             self._hash_to_block[parent] = block.block_id
+            self.hash_version += 1
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -166,5 +173,6 @@ class BlockPool:
     def _forget(self, block: Block) -> None:
         if self._hash_to_block.get(block.block_hash) == block.block_id:
             del self._hash_to_block[block.block_hash]
+            self.hash_version += 1
         block.block_hash = None
         block.token_ids = None

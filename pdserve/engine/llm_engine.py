@@ -3,8 +3,10 @@ caller (offline `generate`, or the AsyncEngine thread that the services use).
 
 A request's life: `add_request` validates and queues it; each `step` schedules a batch,
 runs it, appends sampled tokens, finishes sequences that hit a stop condition and returns
-their blocks. For disaggregation: `reserve` holds blocks for a prompt whose KV another
-worker computes; `commit_remote_kv` makes it a running sequence with its first token.
+their blocks. KV leaves and enters through `kv_connector` (`pdserve.engine.kv_connector`):
+a request added with a `KVSaver` has its prompt's KV saved layer by layer as it is
+computed; `reserve` / `commit_remote_kv` are the connector's bookkeeping for a prompt whose
+KV another worker pushes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCacheSpec, PagedKVCache, dtype_from_name
+from pdserve.engine.kv_connector import KVConnector, KVSaver, PagedKVConnector
 from pdserve.engine.llama import LlamaDims, LlamaModel
 from pdserve.engine.model_loader import (
     ModelSource,
@@ -28,7 +31,7 @@ from pdserve.engine.model_loader import (
     load_tokenizer,
     resolve_model,
 )
-from pdserve.engine.model_runner import KVLayerHook, ModelRunner
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
@@ -87,7 +90,7 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, kv_layer_hook: KVLayerHook | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.set_num_threads(config.threads())
         self.source: ModelSource = resolve_model(config.model)
@@ -112,8 +115,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, get_backend(
             config.attention_backend, device), self.eos_token_ids)
         self.max_model_len = min(config.max_model_len or d.max_position, d.max_position)
-        self.kv_layer_hook = kv_layer_hook
         self.seqs: dict[str, Sequence] = {}
+        self.kv_connector: KVConnector = PagedKVConnector(self)
         self.counters = EngineCounters()
         self.trace: list[StepTrace] | None = None  # set to [] to record every step
         self.on_finish: Callable[[Sequence], None] | None = None
@@ -150,7 +153,9 @@ class LLMEngine:
                              f"cache holds {self.pool.num_blocks}")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Sequence:
+                    prefill_only: bool = False, kv_saver: KVSaver | None = None) -> Sequence:
+        """Validate and queue a request; with `kv_saver`, its prompt's KV is handed to the
+        saver layer by layer in the step that completes the prompt."""
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ids = self.encode_prompt(prompt)
@@ -160,6 +165,8 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(ids)
+        if kv_saver is not None:
+            self.kv_connector.add_saver(request_id, kv_saver)
         return seq
 
     def abort_request(self, request_id: str) -> SeqDelta | None:
@@ -173,7 +180,7 @@ class LLMEngine:
         self._count_finish(seq)
         return self._delta(seq, [], [])
 
-    # -- disaggregation ---------------------------------------------------------------------
+    # -- disaggregation: the KV connector's bookkeeping (call `kv_connector`, not these) ---
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
                 ) -> Sequence:
         """Hold blocks for a prompt whose KV another worker pushes. RuntimeError if full."""
@@ -206,7 +213,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        results = self.runner.run(sched.scheduled, self.kv_layer_hook)
+        conn = self.kv_connector
+        try:
+            results = self.runner.run(sched.scheduled, conn.save_layer if conn.saving else None)
+        finally:
+            conn.step_done()  # copies of this step's KV are done before any block is freed
         forward_s = self.runner.last_timing.forward_s
         self.scheduler.after_step(sched.scheduled)
         if self.trace is not None:  # before finished sequences give their blocks back
@@ -259,6 +270,7 @@ class LLMEngine:
     def _count_finish(self, seq: Sequence) -> None:
         reason = seq.finish_reason or "abort"
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        self.kv_connector.request_finished(seq)
         if self.on_finish is not None:
             self.on_finish(seq)
 

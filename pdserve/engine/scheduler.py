@@ -12,6 +12,9 @@ computed tokens catch up to its tokens by up to the token budget. Per step:
    each first takes what the prefix cache already holds of its prompt.
 3. Sequences in WAITING_FOR_KV (disaggregated decode) are never scheduled: they hold
    blocks reserved for KV that another worker pushes, and join `running` on commit.
+   Pushed KV serves its own request only: such a sequence enters no block into the
+   prefix cache (its later blocks' K/V depend on the pushed ones) until a preemption
+   makes it recompute everything here.
 
 The output lists decodes (1 query token) before prefill chunks, the order the attention
 backends expect.
@@ -104,8 +107,8 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.first_scheduled_time = time.monotonic()
         seq.status = SequenceStatus.RUNNING
+        seq.remote_kv = True
         self.running.append(seq)
-        self._register_full_blocks(seq)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -168,6 +171,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
+        seq.remote_kv = False  # recomputed here from its tokens on resume
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -195,6 +199,8 @@ class Scheduler:
             self._register_full_blocks(s.seq)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
+        if seq.remote_kv:
+            return
         full = seq.num_computed_tokens // self.pool.block_size
         if full > seq.num_registered_blocks:
             self.pool.register_full_blocks(seq.block_table, seq.all_token_ids,

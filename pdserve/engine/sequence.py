@@ -69,6 +69,8 @@ class Sequence:
     first_scheduled_time: float | None = None  # monotonic; the end of its queue time
     # a prefill worker samples the first token and then drops the sequence
     prefill_only: bool = False
+    # its prompt's KV was pushed by another worker: its blocks are never shared
+    remote_kv: bool = False
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a sequence needs at least one prompt token"

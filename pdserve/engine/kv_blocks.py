@@ -1,5 +1,5 @@
 """Copying whole KV blocks in and out of one layer's K (or V) tensor `[num_blocks, ...]`:
-the sender's copy-out (`pdserve.prefill_worker.kv_pusher`) and the sinks' `write_kv`.
+the KV connector's save (copy-out) and load (copy-in) sides, and the in-memory sink.
 
 On the CPU, torch's `index_select`, `index_copy_` and `index_put_` move a block's elements
 one at a time: measured on the 2-core dev machine, ~0.1-0.16 ms per MiB against ~0.03-0.06
