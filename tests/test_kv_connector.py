@@ -1,0 +1,290 @@
+"""The engine's KV connector: KV saved layer by layer on a prefill engine and loaded into a
+decode engine's reservation gives the colocated output; every load-side call runs on the
+engine thread; a commit with an out-of-vocabulary token is refused with nothing changed;
+pushed KV never serves another request; the stats carry the pool's prefix hashes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import torch
+from conftest import assert_pool_clean, tiny_engine
+from test_disagg import _disagg_generate, _free_blocks, _start
+
+from pdserve.convert import sampling_to_proto
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.kv_connector import KVLayerCopy, KVSaver, PagedKVConnector
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import SequenceStatus, TokenLogprobs
+from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
+from pdserve.kvtransfer.sink import KVCommitInfo
+from pdserve.kvtransfer.transport import KVTransferError
+from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.worker_runtime import WorkerConfig
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPT = [(7 * j) % 3000 + 60 for j in range(48)]  # three full 16-token blocks
+
+
+class ListSaver(KVSaver):
+    """Keeps every layer copy it is handed, and the thread that handed it."""
+
+    def __init__(self) -> None:
+        self.copies: list[KVLayerCopy] = []
+        self.threads: set[str] = set()
+
+    def save_layer(self, copy: KVLayerCopy) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.copies.append(copy)
+
+
+class RecordingConnector(PagedKVConnector):
+    """The real connector, noting which thread made each load-side call."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.calls: list[tuple[str, str]] = []
+
+    def _note(self, what: str) -> None:
+        self.calls.append((what, threading.current_thread().name))
+
+    def reserve(self, *args, **kw):
+        self._note("reserve")
+        return super().reserve(*args, **kw)
+
+    def write(self, *args, **kw):
+        self._note("write")
+        return super().write(*args, **kw)
+
+    def commit(self, *args, **kw):
+        self._note("commit")
+        return super().commit(*args, **kw)
+
+    def abort(self, *args, **kw):
+        self._note("abort")
+        return super().abort(*args, **kw)
+
+
+def _prefill_and_save(eng, request_id: str, prompt: list[int]) -> tuple[ListSaver, int]:
+    saver = ListSaver()
+    eng.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0),
+                    prefill_only=True, kv_saver=saver)
+    deltas = []
+    while eng.has_unfinished():
+        deltas += eng.step()
+    return saver, deltas[-1].new_token_ids[0]
+
+
+def test_saved_kv_loaded_elsewhere_equals_colocated(tiny_model_dir):
+    """Offline, no network: a chunked prefill's saved copies written into another
+    engine's reservation decode to the colocated tokens; both pools end clean."""
+    reference = tiny_engine(tiny_model_dir).generate([PROMPT], GREEDY)[0].token_ids
+    pre = tiny_engine(tiny_model_dir, block_size=16, max_num_batched_tokens=20)  # 3 chunks
+    saver, first = _prefill_and_save(pre, "p", PROMPT)
+    layers = pre.dims.num_layers
+    assert [c.layer for c in saver.copies] == list(range(layers))
+    assert all(c.ready is None and c.block_indices == (0, 1, 2) for c in saver.copies)
+    assert saver.threads == {threading.current_thread().name}  # the stepping thread
+
+    dec = tiny_engine(tiny_model_dir, block_size=16)
+    conn = dec.kv_connector
+    conn.reserve("d", PROMPT, GREEDY)
+    for c in saver.copies:
+        conn.write("d", c.layer, c.block_indices, c.k, c.v)
+    conn.commit("d", first)
+    tokens = [first]
+    while dec.has_unfinished():
+        tokens += [t for d in dec.step() for t in d.new_token_ids]
+    assert tokens == reference
+    assert_pool_clean(pre)
+    assert_pool_clean(dec)
+
+
+def test_failing_saver_is_dropped_and_batch_runs_on(tiny_model_dir):
+    class Broken(KVSaver):
+        def save_layer(self, copy: KVLayerCopy) -> None:
+            raise RuntimeError("transport gone")
+
+    eng = tiny_engine(tiny_model_dir)
+    eng.add_request("broken", PROMPT, SamplingParams(max_tokens=1, temperature=0),
+                    prefill_only=True, kv_saver=Broken())
+    eng.add_request("fine", PROMPT[:20], GREEDY)
+    finished = {}
+    while eng.has_unfinished():
+        finished.update({d.request_id: d.finish_reason for d in eng.step() if d.finished})
+    assert finished == {"broken": "length", "fine": "length"}
+    assert not eng.kv_connector.saving
+    assert_pool_clean(eng)
+
+
+def test_commit_outside_vocab_refused_engine_untouched(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir, block_size=16)
+    conn = eng.kv_connector
+    vocab = eng.dims.vocab_size
+    res = conn.reserve("r", PROMPT, GREEDY)
+    assert len(res.block_ids) == 3
+    pool_before, counters_before = eng.pool.stats(), (eng.counters.prompt_tokens,
+                                                      eng.counters.generation_tokens)
+    with pytest.raises(ValueError, match="^first_token_id"):
+        conn.commit("r", vocab)
+    with pytest.raises(ValueError, match="^first_token_top_logprobs"):
+        conn.commit("r", 5, TokenLogprobs(5, -0.1, ((5, -0.1), (vocab + 3, -2.0))))
+    seq = eng.seqs["r"]
+    assert seq.status == SequenceStatus.WAITING_FOR_KV and not seq.output_token_ids
+    assert eng.pool.stats() == pool_before
+    assert (eng.counters.prompt_tokens, eng.counters.generation_tokens) == counters_before
+    assert not eng.has_unfinished()
+    # a write outside the reservation is refused, and so is the commit after it
+    k = eng.kv_cache.key(0)[:1].clone()
+    with pytest.raises(IndexError):
+        conn.write("r", 0, [3], k, k)
+    with pytest.raises(RuntimeError, match="write"):
+        conn.commit("r", 5)
+    assert conn.abort("r").finish_reason == "abort"
+    with pytest.raises(KeyError):
+        conn.commit("r", 5)
+    assert_pool_clean(eng)
+
+
+def test_load_side_on_engine_thread_and_out_of_vocab_over_grpc(tiny_model_dir):
+    reference = tiny_engine(tiny_model_dir).generate([PROMPT], GREEDY)[0].token_ids
+
+    async def main():
+        from pdserve.decode_worker.server import DecodeWorker
+
+        engine = tiny_engine(tiny_model_dir)
+        recorder = RecordingConnector(engine)
+        engine.kv_connector = recorder  # before the engine thread starts
+        dec = DecodeWorker(WorkerConfig(engine=engine.config), engine=engine)
+        await dec.start()
+        pre = await _start("prefill", tiny_model_dir)
+        try:
+            out = await _disagg_generate(dec.address, pre.address, PROMPT, GREEDY, "ok")
+            assert out == reference
+            kinds = [what for what, _ in recorder.calls]
+            layers = dec.engine.dims.num_layers
+            assert kinds[0] == "reserve" and kinds[-1] == "commit"
+            assert kinds.count("write") >= layers
+            assert {thread for _, thread in recorder.calls} == {"engine-loop"}
+
+            # a complete, valid transfer whose commit names a token outside the vocabulary
+            async with grpc.aio.insecure_channel(dec.address) as ch:
+                d = decode_pb2_grpc.DecodeWorkerStub(ch)
+                res = await d.Reserve(decode_pb2.ReserveRequest(
+                    request_id="bad", prompt_token_ids=PROMPT,
+                    sampling=sampling_to_proto(GREEDY)))
+            spec = dec.engine.kv_spec
+            transport = GrpcKVTransport(timeout_s=30)
+            try:
+                stream = transport.open(dec.address, res.reservation_id, spec)
+                blocks = torch.ones(res.num_blocks, *spec.block_shape, dtype=spec.torch_dtype)
+                for layer in range(layers):
+                    stream.push_layer(layer, range(res.num_blocks), blocks, blocks.clone())
+                info = KVCommitInfo(num_prompt_tokens=len(PROMPT),
+                                    first_token_id=dec.engine.dims.vocab_size)
+                with pytest.raises(KVTransferError) as err:
+                    await asyncio.to_thread(stream.commit, info)
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert "first_token_id" in str(err.value)
+            finally:
+                transport.close()
+            for _ in range(50):  # the refused reservation is aborted on the engine thread
+                if await _free_blocks(dec) == (spec.num_blocks, spec.num_blocks):
+                    break
+                await asyncio.sleep(0.1)
+            assert await _free_blocks(dec) == (spec.num_blocks, spec.num_blocks)
+            assert ("abort", "engine-loop") in recorder.calls
+            assert {thread for _, thread in recorder.calls} == {"engine-loop"}
+            assert dec.engine.counters.generation_tokens == len(reference)
+        finally:
+            await dec.stop(0)
+            await pre.stop(0)
+        assert_pool_clean(dec.engine)
+        assert_pool_clean(pre.engine)
+
+    asyncio.run(main())
+
+
+def test_pushed_kv_not_in_decode_prefix_cache(tiny_model_dir):
+    """The decode worker holds the pushed prompt's blocks, yet a colocated request with
+    the same prompt hits none of them; its own (locally computed) blocks are cached."""
+    async def generate(dec, request_id: str) -> int:
+        async with grpc.aio.insecure_channel(dec.address) as ch:
+            d = decode_pb2_grpc.DecodeWorkerStub(ch)
+            async for chunk in d.Generate(decode_pb2.ColocatedGenerateRequest(
+                    request_id=request_id, prompt_token_ids=PROMPT,
+                    sampling=sampling_to_proto(GREEDY))):
+                last = chunk
+        return last.num_cached_tokens
+
+    async def main():
+        dec = await _start("decode", tiny_model_dir, block_size=16)
+        pre = await _start("prefill", tiny_model_dir, block_size=16)
+        try:
+            await _disagg_generate(dec.address, pre.address, PROMPT, GREEDY, "pushed")
+            assert dec.engine.pool.stats().cached == 0
+            assert await generate(dec, "local") == 0
+            assert dec.aengine.stats().prefix_hits == 0
+            # the local request's blocks are cached: the next one takes all but the last
+            assert await generate(dec, "again") == 32
+            assert dec.aengine.stats().prefix_hits == 32
+            # the prefill worker still shares the prefix it computed
+            await _disagg_generate(dec.address, pre.address, PROMPT, GREEDY, "pushed2")
+            assert pre.engine.pool.prefix_hits == 32
+        finally:
+            await dec.stop(0)
+            await pre.stop(0)
+        assert_pool_clean(dec.engine)
+        assert_pool_clean(pre.engine)
+
+    asyncio.run(main())
+
+
+def test_prefix_hashes_in_stats_equal_the_pools(tiny_model_dir):
+    async def main():
+        dec = await _start("decode", tiny_model_dir, block_size=16)
+        pre = await _start("prefill", tiny_model_dir, block_size=16)
+        try:
+            for i in range(2):
+                prompt = [t + 100 * i for t in PROMPT]
+                await _disagg_generate(dec.address, pre.address, prompt, GREEDY, f"h{i}")
+            for _ in range(50):  # the engine thread publishes a snapshot when it idles
+                if pre.aengine.stats().prefix_hashes:
+                    break
+                await asyncio.sleep(0.1)
+            hashes = pre.aengine.stats().prefix_hashes
+            assert len(hashes) == 6  # 3 full blocks of each prompt
+            assert hashes == tuple(pre.engine.pool.cached_hashes())
+            assert list(pre.load().cached_block_hashes) == list(hashes)
+            assert dec.aengine.stats().prefix_hashes == ()  # decode workers report none
+        finally:
+            await dec.stop(0)
+            await pre.stop(0)
+
+    asyncio.run(main())
+
+
+def test_prefix_hashes_bounded_newest_last(tiny_model_dir):
+    async def main():
+        eng = tiny_engine(tiny_model_dir, block_size=16)
+        aeng = AsyncEngine(eng, max_prefix_hashes=4)
+        aeng.start()
+        try:
+            for i in range(2):
+                async for _ in aeng.generate(f"b{i}", [t + 100 * i for t in PROMPT], GREEDY):
+                    pass
+            for _ in range(50):
+                if len(aeng.stats().prefix_hashes) == 4:
+                    break
+                await asyncio.sleep(0.1)
+            all_hashes = eng.pool.cached_hashes()
+            assert len(all_hashes) == 6
+            assert aeng.stats().prefix_hashes == tuple(all_hashes[-4:])
+        finally:
+            await aeng.stop()
+        assert_pool_clean(eng)
+
+    asyncio.run(main())
