@@ -1,4 +1,9 @@
-"""`python -m pdserve.gateway`: run the gateway (gRPC + OpenAI HTTP) until SIGTERM/SIGINT."""
+"""`python -m pdserve.gateway` (and `pdserve gateway`): run the gateway (gRPC + OpenAI HTTP)
+until SIGTERM/SIGINT. `add_args` is the one definition of its flags; both commands use it.
+
+The gateway needs no advertised address: it hands its own address to no one (workers dial
+the one they were given with --gateway, clients the one they were told), so --host is both
+what it binds and what it reports."""
 
 from __future__ import annotations
 
@@ -13,14 +18,15 @@ from pdserve.gateway.server import Gateway, GatewayConfig
 _D = GatewayConfig(model="")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m pdserve.gateway",
-        description="The pdserve gateway: the gRPC Gateway API and an OpenAI-compatible HTTP "
-                    "API in one process. It tokenizes, admits, routes each request to a "
-                    "decode worker (and a prefill worker), and streams the tokens back. "
-                    "Workers register themselves over gRPC, or are listed with --prefill "
-                    "and --decode. Loads the tokenizer and config only, never weights.")
+DESCRIPTION = ("The pdserve gateway: the gRPC Gateway API and an OpenAI-compatible HTTP API in "
+               "one process. It tokenizes, admits, routes each request to a decode worker "
+               "(and a prefill worker), and streams the tokens back. Workers register "
+               "themselves over gRPC, or are listed with --prefill and --decode. Loads the "
+               "tokenizer and config only, never weights.")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's flags (not -v: `pdserve` has its own, before the subcommand)."""
     p.add_argument("--model", required=True,
                    help="model id served, as the workers were given it: the alias "
                         "'smollm2-135m', a Hugging Face directory or a .gguf file")
@@ -52,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=_D.grace_s, metavar="S",
                    help=f"on SIGTERM, seconds in-flight requests get to finish "
                         f"(default {_D.grace_s:g})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdserve.gateway", description=DESCRIPTION)
+    add_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     return p
 
@@ -79,10 +90,8 @@ async def serve(config: GatewayConfig) -> None:
     await gw.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run(a: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; 2 for a bad flag value. Logging is the caller's."""
     try:
         config = config_from_args(a)
     except ValueError as e:
@@ -90,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     asyncio.run(serve(config))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(a)
 
 
 if __name__ == "__main__":

@@ -71,9 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=_cmd_generate, kv_cache_memory="256MiB")
 
+    _add_tier_commands(sub)
     for register in _optional_commands():
         register(sub)
     return p
+
+
+def _add_tier_commands(sub) -> None:
+    """`pdserve gateway | prefill | decode`: one tier per process, for a tier per host. Each
+    takes exactly the flags of its `python -m` entry point (the same `add_args`) and runs
+    through the same `run`; only the program name differs."""
+    from pdserve.decode_worker import __main__ as decode_main
+    from pdserve.gateway import __main__ as gateway_main
+    from pdserve.prefill_worker import __main__ as prefill_main
+
+    for name, module, what in (("gateway", gateway_main, "the gateway (gRPC + OpenAI HTTP)"),
+                               ("prefill", prefill_main, "one prefill worker"),
+                               ("decode", decode_main, "one decode worker")):
+        t = sub.add_parser(name, help=f"run {what} until SIGTERM",
+                           description=module.DESCRIPTION)
+        module.add_args(t)
+        t.set_defaults(func=module.run)
 
 
 def _optional_commands():

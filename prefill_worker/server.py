@@ -35,7 +35,7 @@ class PrefillWorker(WorkerBase):
         self.service = PrefillService(self.aengine, self.pusher, self.transport, self.metrics,
                                       self.stats)
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, server)
-        if self.config.gateway:
+        if self.config.gateways:
             self._hash_task = asyncio.get_running_loop().create_task(self._refresh_hashes())
 
     async def stop_tier(self) -> None:
