@@ -1,5 +1,5 @@
-"""`python -m pdserve.decode_worker` (and `pdserve decode`): run one decode-tier worker
-until SIGTERM. `add_args` is the one definition of its flags; both commands use it."""
+"""`python -m pdserve.decode_worker` and `pdserve decode`: run one decode-tier worker until
+SIGTERM. Both go through `build_parser` (the one definition of its flags) and `run`."""
 
 from __future__ import annotations
 
@@ -15,16 +15,12 @@ DESCRIPTION = ("A pdserve decode worker: reserves KV blocks, receives KV from pr
                "serves colocated requests.")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def build_parser(prog: str = "python -m pdserve.decode_worker") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_worker_args(p)
     p.add_argument("--reservation-timeout", type=float, default=30.0,
                    help="seconds before a reservation whose KV never commits is freed "
                         "(default 30)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdserve.decode_worker", description=DESCRIPTION)
-    add_args(p)
     return p
 
 

@@ -1,5 +1,6 @@
-"""`python -m pdserve.gateway` (and `pdserve gateway`): run the gateway (gRPC + OpenAI HTTP)
-until SIGTERM/SIGINT. `add_args` is the one definition of its flags; both commands use it.
+"""`python -m pdserve.gateway` and `pdserve gateway`: run the gateway (gRPC + OpenAI HTTP)
+until SIGTERM/SIGINT. Both go through `build_parser` (the one definition of its flags) and
+`run`.
 
 The gateway needs no advertised address: it hands its own address to no one (workers dial
 the one they were given with --gateway, clients the one they were told), so --host is both
@@ -25,8 +26,8 @@ DESCRIPTION = ("The pdserve gateway: the gRPC Gateway API and an OpenAI-compatib
                "tokenizer and config only, never weights.")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    """The gateway's flags (not -v: `pdserve` has its own, before the subcommand)."""
+def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     p.add_argument("--model", required=True,
                    help="model id served, as the workers were given it: the alias "
                         "'smollm2-135m', a Hugging Face directory or a .gguf file")
@@ -58,11 +59,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=_D.grace_s, metavar="S",
                    help=f"on SIGTERM, seconds in-flight requests get to finish "
                         f"(default {_D.grace_s:g})")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdserve.gateway", description=DESCRIPTION)
-    add_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     return p
 

@@ -1,5 +1,5 @@
-"""`python -m pdserve.prefill_worker` (and `pdserve prefill`): run one prefill-tier worker
-until SIGTERM. `add_args` is the one definition of its flags; both commands use it."""
+"""`python -m pdserve.prefill_worker` and `pdserve prefill`: run one prefill-tier worker until
+SIGTERM. Both go through `build_parser` (the one definition of its flags) and `run`."""
 
 from __future__ import annotations
 
@@ -15,15 +15,11 @@ DESCRIPTION = ("A pdserve prefill worker: batches prompts (chunked, prefix-cache
                "worker that reserved it.")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def build_parser(prog: str = "python -m pdserve.prefill_worker") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_worker_args(p)
     p.add_argument("--max-chunk-bytes", type=int, default=1 << 20,
                    help="largest KV payload per transfer message (default 1 MiB)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdserve.prefill_worker", description=DESCRIPTION)
-    add_args(p)
     return p
 
 
