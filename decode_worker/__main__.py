@@ -1,4 +1,5 @@
-"""`python -m pdserve.decode_worker`: run one decode-tier worker until SIGTERM."""
+"""`python -m pdserve.decode_worker` and `pdserve decode`: run one decode-tier worker until
+SIGTERM. Both go through `build_parser` (the one definition of its flags) and `run`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import sys
 
 from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
 
+DESCRIPTION = ("A pdserve decode worker: reserves KV blocks, receives KV from prefill workers "
+               "(KVTransfer service on the same port), continuously batches generation, and "
+               "serves colocated requests.")
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m pdserve.decode_worker",
-        description="A pdserve decode worker: reserves KV blocks, receives KV from prefill "
-                    "workers (KVTransfer service on the same port), continuously batches "
-                    "generation, and serves colocated requests.")
+
+def build_parser(prog: str = "python -m pdserve.decode_worker") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_worker_args(p)
     p.add_argument("--reservation-timeout", type=float, default=30.0,
                    help="seconds before a reservation whose KV never commits is freed "
@@ -23,15 +24,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def run(a: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; 2 for a bad flag value. Logging is the caller's."""
+    from pdserve.decode_worker.server import DecodeWorker
+
+    try:
+        config = worker_config_from_args(a, reservation_timeout_s=a.reservation_timeout)
+    except ValueError as e:
+        print(f"decode worker: {e}", file=sys.stderr)
+        return 2
+    worker = DecodeWorker(config)
+    asyncio.run(run_until_signal(worker.start, worker.stop))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pdserve.decode_worker.server import DecodeWorker
-
-    worker = DecodeWorker(worker_config_from_args(a, reservation_timeout_s=a.reservation_timeout))
-    asyncio.run(run_until_signal(worker.start, worker.stop))
-    return 0
+    return run(a)
 
 
 if __name__ == "__main__":

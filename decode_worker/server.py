@@ -49,3 +49,5 @@ class DecodeWorker(WorkerBase):
         super().refresh_metrics()
         self.metrics.set_counter_to(self.metrics.kv_transfer_failures,
                                     self.kv_receiver.num_rejected)
+        self.metrics.set_counter_to(self.metrics.kv_received_bytes,
+                                    self.kv_receiver.bytes_received)

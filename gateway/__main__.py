@@ -1,4 +1,10 @@
-"""`python -m pdserve.gateway`: run the gateway (gRPC + OpenAI HTTP) until SIGTERM/SIGINT."""
+"""`python -m pdserve.gateway` and `pdserve gateway`: run the gateway (gRPC + OpenAI HTTP)
+until SIGTERM/SIGINT. Both go through `build_parser` (the one definition of its flags) and
+`run`.
+
+The gateway needs no advertised address: it hands its own address to no one (workers dial
+the one they were given with --gateway, clients the one they were told), so --host is both
+what it binds and what it reports."""
 
 from __future__ import annotations
 
@@ -13,14 +19,15 @@ from pdserve.gateway.server import Gateway, GatewayConfig
 _D = GatewayConfig(model="")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m pdserve.gateway",
-        description="The pdserve gateway: the gRPC Gateway API and an OpenAI-compatible HTTP "
-                    "API in one process. It tokenizes, admits, routes each request to a "
-                    "decode worker (and a prefill worker), and streams the tokens back. "
-                    "Workers register themselves over gRPC, or are listed with --prefill "
-                    "and --decode. Loads the tokenizer and config only, never weights.")
+DESCRIPTION = ("The pdserve gateway: the gRPC Gateway API and an OpenAI-compatible HTTP API in "
+               "one process. It tokenizes, admits, routes each request to a decode worker "
+               "(and a prefill worker), and streams the tokens back. Workers register "
+               "themselves over gRPC, or are listed with --prefill and --decode. Loads the "
+               "tokenizer and config only, never weights.")
+
+
+def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     p.add_argument("--model", required=True,
                    help="model id served, as the workers were given it: the alias "
                         "'smollm2-135m', a Hugging Face directory or a .gguf file")
@@ -79,10 +86,8 @@ async def serve(config: GatewayConfig) -> None:
     await gw.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run(a: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; 2 for a bad flag value. Logging is the caller's."""
     try:
         config = config_from_args(a)
     except ValueError as e:
@@ -90,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     asyncio.run(serve(config))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(a)
 
 
 if __name__ == "__main__":

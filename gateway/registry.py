@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from pdserve.addresses import addresses as addresses  # re-exported: the gateway's flags
 from pdserve.engine.kv_cache import KVCacheSpec
 
 
@@ -147,17 +148,3 @@ class WorkerRegistry:
     def _removed(self, w: Worker) -> None:
         for fn in self.on_remove:
             fn(w)
-
-
-def addresses(spec: str | None) -> list[str]:
-    """'host:port,host:port' -> ['host:port', ...], each checked for a port."""
-    out: list[str] = []
-    for part in (spec or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"worker address {part!r} is not host:port")
-        out.append(part)
-    return out

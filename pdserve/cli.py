@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -71,9 +72,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=_cmd_generate, kv_cache_memory="256MiB")
 
+    _add_tier_commands(sub)
     for register in _optional_commands():
         register(sub)
     return p
+
+
+# `pdserve <tier>` runs the module behind `python -m pdserve.<package>`
+TIERS = {"gateway": ("gateway", "the gateway (gRPC + OpenAI HTTP)"),
+         "prefill": ("prefill_worker", "one prefill worker"),
+         "decode": ("decode_worker", "one decode worker")}
+
+
+def _add_tier_commands(sub) -> None:
+    """`pdserve gateway | prefill | decode`: one tier per process, for a tier per host. The
+    tier's own parser (`build_parser` of its `__main__`, the one definition of its flags)
+    reads everything after the command, and its `run` serves; the module is imported only
+    when its command runs, so other commands never load a tier."""
+    for name, (_, what) in TIERS.items():
+        t = sub.add_parser(name, help=f"run {what} until SIGTERM (--help for its flags)",
+                           add_help=False)  # --help goes to the tier's own parser
+        t.set_defaults(func=_run_tier)
+
+
+def _run_tier(a: argparse.Namespace) -> int:
+    module = importlib.import_module(f"pdserve.{TIERS[a.command][0]}.__main__")
+    args = module.build_parser(prog=f"pdserve {a.command}").parse_args(a.tier_argv)
+    if getattr(args, "verbose", False):
+        logging.getLogger().setLevel(logging.DEBUG)
+    return module.run(args)
 
 
 def _optional_commands():
@@ -93,7 +120,12 @@ def _optional_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a, rest = parser.parse_known_args(argv)
+    if a.command in TIERS:
+        a.tier_argv = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return a.func(a)

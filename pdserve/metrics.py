@@ -67,6 +67,8 @@ class TierMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted.")
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed.")
+        self.kv_received_bytes = counter("kv_received_bytes",
+                                         "KV payload bytes received from prefill workers.")
         self.reservations_expired = counter("kv_reservations_expired",
                                             "Reservations freed because KV never committed.")
         self._success = Counter("pdserve:request_success", "Requests finished, by reason.",

@@ -1,6 +1,7 @@
 """What every worker process shares: its command-line flags, a grpc.aio server with the
 health and reflection services, the `/metrics` HTTP endpoint, registration and heartbeats
-to the gateway, and the SIGTERM -> NOT_SERVING -> graceful stop sequence.
+to every gateway it is given (one independent registration each: gateways share nothing),
+and the SIGTERM -> NOT_SERVING -> graceful stop sequence.
 
 Health is NOT_SERVING until the model is loaded and the servicers are added.
 """
@@ -21,6 +22,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.addresses import addresses
 from pdserve.convert import kv_spec_to_proto
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
@@ -40,7 +42,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
     metrics_port: int | None = None  # None = no /metrics server; 0 = pick a free port
-    gateway: str | None = None  # the gateway's gRPC address to register with
+    gateways: tuple[str, ...] = ()  # gateways' gRPC addresses; registers with each
     worker_id: str | None = None
     advertise_address: str | None = None  # what others dial; default host:bound port
     heartbeat_interval_s: float = 1.0
@@ -53,8 +55,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (default: a free port)")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics over HTTP on this port (default: off)")
-    g.add_argument("--gateway", default=None,
-                   help="gateway gRPC address (host:port) to register and heartbeat with")
+    g.add_argument("--gateway", action="append", default=[], metavar="ADDRS",
+                   help="gateway gRPC address(es) host:port,... to register and heartbeat "
+                        "with; repeatable. Each gateway is independent: one down does not "
+                        "stop the others' heartbeats")
     g.add_argument("--worker-id", default=None, help="stable worker id (default: random)")
     g.add_argument("--advertise-address", default=None,
                    help="host:port the gateway and other workers dial (default: host:port)")
@@ -64,8 +68,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
+    """Raises ValueError naming the flag for a malformed --gateway entry."""
     return WorkerConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
-                        metrics_port=a.metrics_port, gateway=a.gateway, worker_id=a.worker_id,
+                        metrics_port=a.metrics_port,
+                        gateways=tuple(addresses(a.gateway, "--gateway")), worker_id=a.worker_id,
                         advertise_address=a.advertise_address,
                         heartbeat_interval_s=a.heartbeat_interval, **extra)
 
@@ -167,8 +173,10 @@ class MetricsServer:
 
 
 class GatewayRegistration:
-    """Registers with the gateway and heartbeats load; re-registers when forgotten.
-    The gateway being down is not fatal: the worker keeps trying."""
+    """Registers with one gateway and heartbeats load; re-registers when forgotten.
+    The gateway being down is not fatal: the worker keeps trying. A worker holds one per
+    gateway, each with its own channel and task, so one gateway's failure never delays
+    another's heartbeats."""
 
     def __init__(self, gateway: str, info: Callable[[], gateway_pb2.WorkerInfo],
                  load: Callable[[], common_pb2.WorkerLoad], interval_s: float) -> None:
@@ -242,7 +250,7 @@ class WorkerBase:
     """The life cycle both worker tiers share; a tier adds its servicers and its load.
 
         start(): bind gRPC (health NOT_SERVING) -> load model -> engine thread
-                 -> tier servicers -> /metrics -> SERVING -> register + heartbeat
+                 -> tier servicers -> /metrics -> SERVING -> register + heartbeat (each gateway)
         stop():  NOT_SERVING -> deregister -> grpc stop(grace) -> engine thread stops
     """
 
@@ -258,7 +266,7 @@ class WorkerBase:
         self.grpc: GrpcService | None = None
         self.address = ""
         self.metrics_server: MetricsServer | None = None
-        self.registration: GatewayRegistration | None = None
+        self.registrations: list[GatewayRegistration] = []
         self.aengine: AsyncEngine | None = None
 
     @property
@@ -280,10 +288,11 @@ class WorkerBase:
             self.metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
             await self.metrics_server.start(cfg.host, cfg.metrics_port)
         await self.grpc.set_serving(True)
-        if cfg.gateway:
-            self.registration = GatewayRegistration(cfg.gateway, self.worker_info, self.load,
-                                                    cfg.heartbeat_interval_s)
-            self.registration.start()
+        self.registrations = [GatewayRegistration(gw, self.worker_info, self.load,
+                                                  cfg.heartbeat_interval_s)
+                              for gw in cfg.gateways]
+        for r in self.registrations:
+            r.start()
         log.info("%s worker %s serving on %s", self.role, self.worker_id, self.address)
 
     def add_services(self, server) -> None:
@@ -294,8 +303,8 @@ class WorkerBase:
     async def stop(self, grace: float = 2.0) -> None:
         if self.grpc is not None:
             await self.grpc.set_serving(False)
-        if self.registration is not None:
-            await self.registration.stop()
+        # in parallel: an unreachable gateway's Deregister timeout delays none of the others
+        await asyncio.gather(*(r.stop() for r in self.registrations))
         if self.grpc is not None:
             await self.grpc.stop(grace)
         await self.stop_tier()

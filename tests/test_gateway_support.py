@@ -54,7 +54,7 @@ class Cluster:
         engine = tiny_engine(self.model_dir, **engine_kw)
         cls = DecodeWorker if kind == "decode" else PrefillWorker
         cfg = WorkerConfig(engine=engine.config, heartbeat_interval_s=0.3,
-                           gateway=self.gateway.grpc_address if register else None)
+                           gateways=(self.gateway.grpc_address,) if register else ())
         w = cls(cfg, engine=engine)
         self.lt.run(w.start())
         if register:
@@ -66,7 +66,8 @@ class Cluster:
     def crash(self, w: Any) -> None:
         """Stop a worker the way a crash would: no Deregister, heartbeats just stop."""
         async def kill() -> None:
-            w.registration._task.cancel()
+            for r in w.registrations:
+                r._task.cancel()
             await w.grpc.stop(0)
         self.lt.run(kill())
         self.workers.remove(w)

@@ -1,0 +1,92 @@
+"""The test client inside a namespace: `ip netns exec NS python tests/netns_probe.py` reads
+one JSON command per line on stdin and answers one JSON line on stdout, until stdin closes.
+It exists because a test process cannot reach the namespaces' addresses from the root
+namespace, and one long-lived probe costs one interpreter start instead of one per call.
+
+Commands ({"op": ..., ...}) and answers ({"ok": ...} or {"error": "..."}):
+  ready     gateway, prefill, decode, timeout -> true once the gateway's ListModels counts
+            that many workers of each tier (retries while the gateway is not up yet)
+  generate  gateway, prompts (token id lists), max_tokens -> per prompt, the greedy token
+            ids, or the gRPC status name it ended with
+  stats     address, role ("prefill" | "decode") -> [free_blocks, total_blocks]
+  http      url -> the body of a GET
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+
+import grpc
+
+from pdserve.client import PdserveClient
+from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+
+async def ready(gateway: str, prefill: int, decode: int, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    last = "no answer"
+    async with PdserveClient(gateway) as c:
+        while time.monotonic() < end:
+            try:
+                models = await c.list_models()
+                got = [(m.num_prefill_workers, m.num_decode_workers) for m in models]
+                if any(p >= prefill and d >= decode for p, d in got):
+                    return True
+                last = f"workers (prefill, decode) = {got}"
+            except grpc.aio.AioRpcError as e:
+                last = e.code().name
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"gateway {gateway} not ready in {timeout}s: {last}")
+
+
+async def _one(c: PdserveClient, ids: list[int], max_tokens: int) -> list[int] | str:
+    out: list[int] = []
+    try:
+        async for chunk in c.generate(token_ids=ids, max_tokens=max_tokens, temperature=0,
+                                      ignore_eos=True, timeout=30):
+            out.extend(chunk.token_ids)
+    except grpc.aio.AioRpcError as e:
+        return e.code().name
+    return out
+
+
+async def generate(gateway: str, prompts: list[list[int]], max_tokens: int) -> list:
+    async with PdserveClient(gateway) as c:
+        return list(await asyncio.gather(*(_one(c, p, max_tokens) for p in prompts)))
+
+
+async def stats(address: str, role: str) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = (decode_pb2_grpc.DecodeWorkerStub(ch) if role == "decode"
+                else prefill_pb2_grpc.PrefillWorkerStub(ch))
+        s = await stub.Stats(common_pb2.StatsRequest(), timeout=5)
+        return [s.load.free_blocks, s.load.total_blocks]
+
+
+async def http(url: str) -> str:
+    def get() -> str:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.read().decode()
+    return await asyncio.to_thread(get)
+
+
+OPS = {"ready": ready, "generate": generate, "stats": stats, "http": http}
+
+
+def main() -> None:
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = OPS[cmd.pop("op")]
+        try:
+            answer = {"ok": asyncio.run(op(**cmd))}
+        except Exception as e:  # the test reads it and fails with the message
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Each tier as its own host: two gateways, a prefill worker and a decode worker, each in its
+own network namespace with its own address on one bridge (tests/netns.py), started with
+`pdserve gateway | prefill | decode`; the test client runs in a fifth namespace
+(tests/netns_probe.py). Nothing binds to 127.0.0.1 and no packet leaves the namespaces.
+
+The two gateways share nothing, not even their configuration: gw-a disaggregates every
+request (KV crosses the bridge from prefill to decode), gw-b runs every request colocated
+on the decode worker. Both workers register and heartbeat with both (`--gateway A,B`), so
+the same greedy output from either is also disaggregated-equals-colocated parity.
+
+Without root the namespace tests skip; the loopback test of independent registrations
+runs anywhere. Pending, not stubbed: `test_link_down_mid_transfer_migrates` (`ip link set
+eth0 down` on the prefill host while its KV streams), which needs request migration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_engine
+from netns import Topology, unavailable
+
+from pdserve.engine.sampling_params import SamplingParams
+
+GRPC_PORT, HTTP_PORT = 50051, 8000  # gateways; every namespace has its own port space
+WORKER_PORT, METRICS_PORT = 50061, 9100
+HEARTBEAT_TIMEOUT_S = 3.0  # 10 heartbeats; under the 5 s deadline of a call that hangs
+MAX_TOKENS = 12
+NAMES = ("gw-a", "gw-b", "prefill", "decode", "client")
+
+
+def _prompts() -> list[list[int]]:
+    # under the batch token budget: one prefill chunk, as in the reference engine
+    return [[(41 * i + 7 * j) % 3000 + 60 for j in range(9 + 17 * i)] for i in range(4)]
+
+
+class Probe:
+    """The JSON-lines client of tests/netns_probe.py, running in the client namespace."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def __call__(self, op: str, **args):
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"probe exited (rc={self.proc.poll()})"
+        answer = json.loads(line)
+        assert "error" not in answer, f"{op}: {answer['error']}"
+        return answer["ok"]
+
+
+class Hosts:
+    """The running topology: which process is where, its log, and the probe."""
+
+    def __init__(self, topo: Topology, log_dir: Path) -> None:
+        self.topo = topo
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.probe: Probe | None = None
+
+    def grpc(self, name: str) -> str:
+        port = GRPC_PORT if name.startswith("gw") else WORKER_PORT
+        return f"{self.topo.address(name)}:{port}"
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            assert p.poll() is None, f"{name} exited {p.returncode}:\n{self.log(name)[-3000:]}"
+
+    def wait_ready(self, gateways: tuple[str, ...], timeout: float = 120.0) -> None:
+        end = time.monotonic() + timeout
+        for gw in gateways:
+            while True:
+                self.check_alive()
+                try:
+                    self.probe("ready", gateway=self.grpc(gw), prefill=1, decode=1, timeout=3)
+                    break
+                except AssertionError:
+                    if time.monotonic() > end:
+                        raise
+
+    def kv_received_bytes(self) -> float:
+        text = self.probe("http", url=f"http://{self.topo.address('decode')}:{METRICS_PORT}"
+                                      "/metrics")
+        m = re.search(r"^pdserve:kv_received_bytes_total\{[^}]*\} (\S+)$", text, re.M)
+        assert m, "the decode worker exports no pdserve:kv_received_bytes_total"
+        return float(m.group(1))
+
+    def assert_pools_clean(self, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        for role in ("prefill", "decode"):
+            while True:
+                free, total = self.probe("stats", address=self.grpc(role), role=role)
+                if free == total:
+                    break
+                assert time.monotonic() < end, f"{role}: {total - free} KV blocks still held"
+                time.sleep(0.1)
+
+
+def _start(topo: Topology, log_dir: Path, model_dir: str) -> Hosts:
+    h = Hosts(topo, log_dir)
+    cli = [sys.executable, "-m", "pdserve.cli"]
+    gateways = f"{h.grpc('gw-a')},{h.grpc('gw-b')}"
+    for gw, threshold in (("gw-a", 0), ("gw-b", 1 << 20)):
+        h.procs[gw] = topo.spawn(gw, [
+            *cli, "gateway", "--model", model_dir, "--host", topo.address(gw),
+            "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
+            "--disagg-threshold", str(threshold),
+            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], log_dir / f"{gw}.log")
+    for tier in ("prefill", "decode"):
+        addr = topo.address(tier)
+        h.procs[tier] = topo.spawn(tier, [
+            *cli, tier, "--model", model_dir, "--host", addr, "--port", str(WORKER_PORT),
+            "--advertise-address", f"{addr}:{WORKER_PORT}", "--metrics-port", str(METRICS_PORT),
+            "--gateway", gateways, "--worker-id", tier, "--heartbeat-interval", "0.3",
+            "--threads", "1", "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "128"],
+            log_dir / f"{tier}.log")
+    probe = topo.spawn("client", [sys.executable, str(Path(__file__).parent / "netns_probe.py")],
+                       log=None, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       stderr=open(log_dir / "client.log", "wb"), text=True)  # noqa: SIM115
+    h.probe = Probe(probe)
+    h.wait_ready(("gw-a", "gw-b"))
+    return h
+
+
+@pytest.fixture(scope="module")
+def hosts(tiny_model_dir, tmp_path_factory):
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"multi-host tests need network namespaces: {reason}")
+    topo = Topology(NAMES).create()
+    try:
+        yield _start(topo, tmp_path_factory.mktemp("multihost-logs"), tiny_model_dir)
+    finally:
+        topo.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> list[list[int]]:
+    """The colocated engine in this process: what every path must produce."""
+    engine = tiny_engine(tiny_model_dir, num_threads=1)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(_prompts(), greedy)]
+
+
+def test_each_process_binds_only_its_own_address(hosts):
+    expected = {"gw-a": {GRPC_PORT, HTTP_PORT}, "gw-b": {GRPC_PORT, HTTP_PORT},
+                "prefill": {WORKER_PORT, METRICS_PORT}, "decode": {WORKER_PORT, METRICS_PORT},
+                "client": set()}
+    for name, ports in expected.items():
+        listeners = hosts.topo.listeners(name)
+        own = hosts.topo.address(name)
+        assert {x.address for x in listeners} <= {own}, (name, listeners)
+        assert {x.port for x in listeners} == ports, (name, listeners)
+        if name in hosts.procs:
+            assert {x.pid for x in listeners} == {hosts.procs[name].pid}, (name, listeners)
+
+
+def test_disaggregated_across_the_bridge_equals_colocated(hosts, reference):
+    before = hosts.kv_received_bytes()
+    disagg = hosts.probe("generate", gateway=hosts.grpc("gw-a"), prompts=_prompts(),
+                         max_tokens=MAX_TOKENS)
+    pushed = hosts.kv_received_bytes()
+    assert pushed > before  # the KV crossed the bridge, prefill namespace -> decode's
+    colocated = hosts.probe("generate", gateway=hosts.grpc("gw-b"), prompts=_prompts(),
+                            max_tokens=MAX_TOKENS)
+    assert hosts.kv_received_bytes() == pushed  # gw-b really ran them colocated
+    assert disagg == reference
+    assert colocated == reference
+    hosts.assert_pools_clean()
+
+
+def test_killing_one_gateway_leaves_the_other_serving(hosts, reference):
+    hosts.topo.kill(hosts.procs.pop("gw-b"))
+    assert hosts.probe("generate", gateway=hosts.grpc("gw-b"), prompts=_prompts()[:1],
+                       max_tokens=MAX_TOKENS) == ["UNAVAILABLE"]
+    assert hosts.probe("generate", gateway=hosts.grpc("gw-a"), prompts=_prompts(),
+                       max_tokens=MAX_TOKENS) == reference
+    # gw-b's host vanishes: packets to it now go unanswered, so each registration attempt
+    # there waits out its 5 s deadline. gw-a must keep hearing from both workers all along
+    # (a worker that heartbeated its gateways in turn would go silent there for 5 s).
+    subprocess.run(["ip", "-n", hosts.topo.host("gw-b").netns, "link", "set", "eth0", "down"],
+                   check=True)
+    time.sleep(2 * HEARTBEAT_TIMEOUT_S)
+    hosts.check_alive()
+    log = hosts.log("gw-a")
+    assert "missed heartbeats" not in log, log[-3000:]
+    for tier in ("prefill", "decode"):
+        assert len(re.findall(rf"registered {tier} worker {tier} ", log)) == 1, log[-3000:]
+    assert hosts.probe("generate", gateway=hosts.grpc("gw-a"), prompts=_prompts(),
+                       max_tokens=MAX_TOKENS) == reference
+    hosts.assert_pools_clean()
+
+
+def test_one_unreachable_gateway_does_not_stop_registration_with_another(tiny_model_dir):
+    """Loopback, no namespaces: the first gateway in the list never answers (a listening
+    socket that never accepts), and the worker still registers and heartbeats with the
+    second."""
+    import socket
+
+    from test_gateway_support import Cluster
+
+    from pdserve.decode_worker.server import DecodeWorker
+    from pdserve.gateway.registry import Role
+    from pdserve.worker_runtime import WorkerConfig
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(0)
+    c = Cluster(tiny_model_dir, heartbeat_timeout_s=1.0)
+    try:
+        engine = tiny_engine(tiny_model_dir, num_threads=1)
+        dead = f"127.0.0.1:{silent.getsockname()[1]}"
+        w = DecodeWorker(WorkerConfig(engine=engine.config, heartbeat_interval_s=0.2,
+                                      gateways=(dead, c.gateway.grpc_address)), engine=engine)
+        c.lt.run(w.start())
+        c.workers.append(w)
+        assert [r.gateway for r in w.registrations] == [dead, c.gateway.grpc_address]
+        c.wait_for(lambda: w.registrations[1].registered.is_set())
+        # three heartbeat timeouts later the worker is still routable at the live gateway
+        c.lt.run(asyncio.sleep(3.0))
+        assert [x.worker_id for x in c.gateway.registry.alive(Role.DECODE)] == [w.worker_id]
+        assert not w.registrations[0].registered.is_set()
+    finally:
+        c.close()
+        silent.close()
