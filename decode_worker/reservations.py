@@ -3,7 +3,8 @@ KV-transfer receiver writes through.
 
 Life cycle of a reservation (all on the event loop thread):
 
-    reserve()      OPEN       blocks held by a WAITING_FOR_KV sequence in the engine
+    reserve()      OPEN       blocks held by a WAITING_FOR_KV sequence in the engine; a
+                              one-time secret issued, which every KV push into it must show
     write_kv()     OPEN       K/V copied straight into those blocks (nobody else reads them)
     commit_kv()    COMMITTED  the engine appends the first token; the sequence runs
     abort_kv() / release() / expiry   gone: the engine frees the blocks
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +40,7 @@ class _Entry:
     request_id: str
     block_ids: tuple[int, ...]
     deadline: float
+    secret: str = ""
     committed: bool = False
     commit: KVCommitInfo | None = None
 
@@ -57,13 +60,16 @@ class ReservationTable:
 
     # -- reservations -----------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> tuple[str, int]:
-        """(reservation id, blocks). ValueError: bad request; RuntimeError: no room."""
+                      params: SamplingParams) -> tuple[str, int, str]:
+        """(reservation id, blocks, secret). ValueError: bad request; RuntimeError: no
+        room."""
         res = await self.aengine.reserve(request_id, prompt_token_ids, params)
         rid = uuid.uuid4().hex
-        self._open[rid] = _Entry(request_id, res.block_ids, time.monotonic() + self.timeout_s)
+        secret = secrets.token_hex(16)  # 128 bits
+        self._open[rid] = _Entry(request_id, res.block_ids, time.monotonic() + self.timeout_s,
+                                 secret)
         self._by_request[request_id] = rid
-        return rid, len(res.block_ids)
+        return rid, len(res.block_ids), secret
 
     def request_id(self, reservation_id: str) -> str | None:
         e = self._open.get(reservation_id)
@@ -99,6 +105,10 @@ class ReservationTable:
         if e is None or e.committed:
             return None
         return len(e.block_ids)
+
+    def reservation_secret(self, reservation_id: str) -> str | None:
+        e = self._open.get(reservation_id)
+        return None if e is None or e.committed else e.secret
 
     def write_kv(self, reservation_id: str, layer: int, block_indices: list[int],
                  k: torch.Tensor, v: torch.Tensor) -> None:

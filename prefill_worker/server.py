@@ -31,7 +31,8 @@ class PrefillWorker(WorkerBase):
     def add_services(self, server) -> None:
         self.pusher = KVPusher(self.engine.kv_cache)
         self.engine.kv_layer_hook = self.pusher.on_layer
-        self.transport = GrpcKVTransport(max_chunk_bytes=self.max_chunk_bytes)
+        self.transport = GrpcKVTransport(max_chunk_bytes=self.max_chunk_bytes,
+                                         credentials=self.config.credentials)
         self.service = PrefillService(self.aengine, self.pusher, self.transport, self.metrics,
                                       self.stats)
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, server)
