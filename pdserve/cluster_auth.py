@@ -202,28 +202,36 @@ def _with_metadata(details: grpc.aio.ClientCallDetails,
                                       details.credentials, details.wait_for_ready)
 
 
-class TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor,
-                             grpc.aio.UnaryStreamClientInterceptor,
-                             grpc.aio.StreamUnaryClientInterceptor,
-                             grpc.aio.StreamStreamClientInterceptor):
-    """Adds the cluster token to every call of a grpc.aio channel."""
-
+class _AddMetadata:
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._md = metadata
 
+
+# grpc.aio files an interceptor under the first of the four kinds it is an instance of, so
+# each kind of call needs its own class
+class _UnaryUnary(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(_with_metadata(details, self._md), request)
 
+
+class _UnaryStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(_with_metadata(details, self._md), request)
 
+
+class _StreamUnary(_AddMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(_with_metadata(details, self._md), request_iterator)
 
+
+class _StreamStream(_AddMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(_with_metadata(details, self._md), request_iterator)
 
 
 def client_interceptors(creds: ClusterCredentials) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors adding the cluster token to every call of a grpc.aio channel."""
     md = creds.metadata()
-    return [TokenClientInterceptor(md)] if md else []
+    if not md:
+        return []
+    return [cls(md) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
