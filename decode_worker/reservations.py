@@ -5,7 +5,8 @@ connector, applied on the engine thread (`AsyncEngine`).
 
 Life cycle of a reservation (the table's side runs on the event loop thread):
 
-    reserve()      OPEN       the connector holds blocks for a WAITING_FOR_KV sequence
+    reserve()      OPEN       the connector holds blocks for a WAITING_FOR_KV sequence; a
+                              one-time secret issued, which every KV push into it must show
     write_kv()     OPEN       K/V queued to the engine thread, copied into those blocks
     commit_kv()    COMMITTED  (awaited) the connector checks the first token and the
                               sequence runs; a refused commit reopens it for the abort
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -43,6 +45,7 @@ class _Entry:
     request_id: str
     block_ids: tuple[int, ...]
     deadline: float
+    secret: str = ""
     committed: bool = False
     commit: KVCommitInfo | None = None
 
@@ -61,13 +64,16 @@ class ReservationTable:
 
     # -- reservations -----------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> tuple[str, int]:
-        """(reservation id, blocks). ValueError: bad request; RuntimeError: no room."""
+                      params: SamplingParams) -> tuple[str, int, str]:
+        """(reservation id, blocks, secret). ValueError: bad request; RuntimeError: no
+        room."""
         res = await self.aengine.reserve(request_id, prompt_token_ids, params)
         rid = uuid.uuid4().hex
-        self._open[rid] = _Entry(request_id, res.block_ids, time.monotonic() + self.timeout_s)
+        secret = secrets.token_hex(16)  # 128 bits
+        self._open[rid] = _Entry(request_id, res.block_ids, time.monotonic() + self.timeout_s,
+                                 secret)
         self._by_request[request_id] = rid
-        return rid, len(res.block_ids)
+        return rid, len(res.block_ids), secret
 
     def request_id(self, reservation_id: str) -> str | None:
         e = self._open.get(reservation_id)
@@ -103,6 +109,10 @@ class ReservationTable:
         if e is None or e.committed:
             return None
         return len(e.block_ids)
+
+    def reservation_secret(self, reservation_id: str) -> str | None:
+        e = self._open.get(reservation_id)
+        return None if e is None or e.committed else e.secret
 
     def write_kv(self, reservation_id: str, layer: int, block_indices: list[int],
                  k: torch.Tensor, v: torch.Tensor) -> None:

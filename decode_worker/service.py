@@ -41,7 +41,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                       ) -> decode_pb2.ReserveResponse:
         try:
             params = sampling_from_proto(request.sampling, self.default_max_tokens)
-            rid, nblocks = await self.table.reserve(
+            rid, nblocks, secret = await self.table.reserve(
                 request.request_id or uuid.uuid4().hex, list(request.prompt_token_ids), params)
         except ValueError as e:
             self.metrics.error("INVALID_ARGUMENT")
@@ -50,7 +50,8 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             self.metrics.error("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         return decode_pb2.ReserveResponse(reservation_id=rid, num_blocks=nblocks,
-                                          kv_spec=kv_spec_to_proto(self.table.kv_spec))
+                                          kv_spec=kv_spec_to_proto(self.table.kv_spec),
+                                          reservation_secret=secret)
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[decode_pb2.TokenChunk]:

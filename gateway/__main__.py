@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 
+from pdserve.cluster_auth import add_credential_args, credentials_from_args
 from pdserve.gateway.server import Gateway, GatewayConfig
 
 _D = GatewayConfig(model="")
@@ -37,6 +38,10 @@ def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentPa
                    help=f"OpenAI HTTP port, 0 picks a free one (default {_D.http_port})")
     p.add_argument("--grpc-port", type=int, default=_D.grpc_port,
                    help=f"gRPC port, 0 picks a free one (default {_D.grpc_port})")
+    p.add_argument("--registry-port", type=int, default=None,
+                   help="internal gRPC port where workers register (their --gateway); the "
+                        "cluster credential is required there. Keep it off the public "
+                        "network. 0 picks a free one (default: --grpc-port + 1)")
     p.add_argument("--prefill", default="", metavar="ADDRS",
                    help="static prefill workers, host:port,... (polled via Stats)")
     p.add_argument("--decode", default="", metavar="ADDRS",
@@ -59,6 +64,7 @@ def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentPa
     p.add_argument("--grace", type=float, default=_D.grace_s, metavar="S",
                    help=f"on SIGTERM, seconds in-flight requests get to finish "
                         f"(default {_D.grace_s:g})")
+    add_credential_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     return p
 
@@ -66,6 +72,7 @@ def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentPa
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         model=a.model, host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
+        registry_port=a.registry_port, credentials=credentials_from_args(a),
         prefill=tuple(filter(None, a.prefill.split(","))),
         decode=tuple(filter(None, a.decode.split(","))), disagg_threshold=a.disagg_threshold,
         max_queue=a.max_queue, max_inflight=a.max_inflight,
@@ -80,8 +87,8 @@ async def serve(config: GatewayConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await gw.start()
-    print(f"gateway ready: grpc={gw.grpc_address} http={gw.http_url}", file=sys.stderr,
-          flush=True)
+    print(f"gateway ready: grpc={gw.grpc_address} http={gw.http_url} "
+          f"registry={gw.registry_address}", file=sys.stderr, flush=True)
     await stop.wait()
     await gw.stop()
 
@@ -90,7 +97,7 @@ def run(a: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 2 for a bad flag value. Logging is the caller's."""
     try:
         config = config_from_args(a)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
     asyncio.run(serve(config))

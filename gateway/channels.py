@@ -1,5 +1,6 @@
 """gRPC channels to workers, one per address, opened on first use and shared by every
-request to that worker."""
+request to that worker. Made by `pdserve.rpc.aio_channel`: each call carries the cluster
+credential, and the keepalive agrees with what the workers' servers accept."""
 
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve import rpc
+from pdserve.cluster_auth import ClusterCredentials
 from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
-
-_OPTIONS = [("grpc.max_receive_message_length", 64 * 2**20),
-            ("grpc.max_send_message_length", 64 * 2**20),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1)]
 
 
 @dataclass(frozen=True)
@@ -27,14 +25,17 @@ class WorkerStubs:
 
 
 class WorkerChannels:
-    def __init__(self) -> None:
+    def __init__(self, credentials: ClusterCredentials = ClusterCredentials(),
+                 keepalive: rpc.Keepalive = rpc.DEFAULT_KEEPALIVE) -> None:
+        self.credentials = credentials
+        self.keepalive = keepalive
         self._stubs: dict[str, WorkerStubs] = {}
         self._tasks: set[asyncio.Task] = set()
 
     def get(self, address: str) -> WorkerStubs:
         s = self._stubs.get(address)
         if s is None:
-            ch = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            ch = rpc.aio_channel(address, self.credentials, self.keepalive)
             s = WorkerStubs(ch, decode_pb2_grpc.DecodeWorkerStub(ch),
                             prefill_pb2_grpc.PrefillWorkerStub(ch))
             self._stubs[address] = s

@@ -1,18 +1,16 @@
-"""The gRPC face of the gateway: `pdserve.v1.Gateway`. Translates messages to the
-gateway's dataclasses and back; the work is the orchestrator's and the registry's."""
+"""The gRPC face of the gateway for clients: `pdserve.v1.Gateway`. Translates messages to
+the gateway's dataclasses and back; the work is the orchestrator's. The worker registry
+has its own service on its own listener (registry_api.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 
 import grpc
 
 from pdserve.gateway.convert import (
     FINISH_TO_PROTO,
-    kv_spec_from_proto,
-    load_from_proto,
     logprobs_to_proto,
     sampling_fields_from_proto,
     timing_to_proto,
@@ -24,19 +22,13 @@ from pdserve.gateway.registry import Role, WorkerRegistry
 from pdserve.gateway.request import GenerationRequest
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-log = logging.getLogger("pdserve.gateway")
-
-_ROLES = {gateway_pb2.WORKER_ROLE_PREFILL: Role.PREFILL,
-          gateway_pb2.WORKER_ROLE_DECODE: Role.DECODE}
-
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, prompts: PromptProcessor, orchestrator: Orchestrator,
-                 registry: WorkerRegistry, heartbeat_interval_s: float) -> None:
+                 registry: WorkerRegistry) -> None:
         self.prompts = prompts
         self.orchestrator = orchestrator
         self.registry = registry
-        self.heartbeat_interval_s = heartbeat_interval_s
 
     def build_request(self, msg: gateway_pb2.GenerateRequest,
                       call_remaining_s: float | None) -> GenerationRequest:
@@ -94,36 +86,3 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             id=card.model_id, max_context_tokens=card.max_context_tokens,
             num_prefill_workers=len(self.registry.alive(Role.PREFILL)),
             num_decode_workers=len(self.registry.alive(Role.DECODE)))])
-
-    async def RegisterWorker(self, request: gateway_pb2.RegisterWorkerRequest,
-                             context: grpc.aio.ServicerContext
-                             ) -> gateway_pb2.RegisterWorkerResponse:
-        w = request.worker
-        role = _ROLES.get(w.role)
-        if role is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "worker.role: must be PREFILL or DECODE")
-        try:
-            self.registry.register(w.worker_id, role, w.address, w.model,
-                                   kv_spec_from_proto(w.kv_spec), load_from_proto(w.load))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker.{e}")
-        if w.model and not self.prompts.is_model(w.model):
-            log.warning("worker %s serves model %r, this gateway %r", w.worker_id, w.model,
-                        self.prompts.card.model_id)
-        log.info("registered %s worker %s at %s", role.value, w.worker_id, w.address)
-        return gateway_pb2.RegisterWorkerResponse(
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            heartbeat_timeout_s=self.registry.heartbeat_timeout_s)
-
-    async def Heartbeat(self, request: gateway_pb2.HeartbeatRequest,
-                        context: grpc.aio.ServicerContext) -> gateway_pb2.HeartbeatResponse:
-        known = self.registry.heartbeat(request.worker_id, load_from_proto(request.load))
-        return gateway_pb2.HeartbeatResponse(known=known)
-
-    async def Deregister(self, request: gateway_pb2.DeregisterRequest,
-                         context: grpc.aio.ServicerContext) -> gateway_pb2.DeregisterResponse:
-        known = self.registry.deregister(request.worker_id)
-        if known:
-            log.info("deregistered worker %s", request.worker_id)
-        return gateway_pb2.DeregisterResponse(known=known)

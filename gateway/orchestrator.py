@@ -14,7 +14,8 @@ ends before its stream does — stop string, client gone, deadline, error — D 
 Cancel it so its blocks free at once. Every request ends in a final delta or a
 `GatewayError` (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED,
 CANCELLED): the request runs in its own task under its deadline, so nothing hangs.
-Metrics are recorded here, where the request is seen end to end.
+Metrics are recorded here, where the request is seen end to end. Workers know a request by
+its `cluster_id`, minted by the gateway; the client's `request_id` never leaves it.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Orchestrator:
             m.error(grpc.StatusCode.CANCELLED.name)
             raise
         except Exception as e:  # a bug: the client still gets an explicit status
-            log.exception("request %s failed", req.request_id)
+            log.exception("request %s (cluster id %s) failed", req.request_id, req.cluster_id)
             m.error(grpc.StatusCode.UNAVAILABLE.name)
             emit(GatewayError(ErrorKind.UNAVAILABLE, f"internal error: {e}"))
 
@@ -212,7 +213,7 @@ class Orchestrator:
     async def _colocated(self, req: GenerationRequest, decodes: list[Worker]
                          ) -> AsyncIterator[decode_pb2.TokenChunk]:
         msg = decode_pb2.ColocatedGenerateRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_proto(req.params))
         last: GatewayError | None = None
         for w in router.rank_decode(decodes, len(req.prompt_token_ids), self.inflight):
@@ -238,13 +239,13 @@ class Orchestrator:
                 self._leave(w)
                 if not finished:  # harmless when the worker never admitted it
                     call.cancel()
-                    self.channels.cancel(w.address, request_id=req.request_id,
+                    self.channels.cancel(w.address, request_id=req.cluster_id,
                                          reason="gateway: request ended")
         raise last or GatewayError(ErrorKind.UNAVAILABLE, "no decode worker is available")
 
     async def _reserve(self, req: GenerationRequest, decodes: list[Worker]
                        ) -> tuple[Worker, decode_pb2.ReserveResponse]:
-        msg = decode_pb2.ReserveRequest(request_id=req.request_id,
+        msg = decode_pb2.ReserveRequest(request_id=req.cluster_id,
                                         prompt_token_ids=req.prompt_token_ids,
                                         sampling=sampling_to_proto(req.params))
         last: GatewayError | None = None
@@ -273,10 +274,10 @@ class Orchestrator:
                        resv: decode_pb2.ReserveResponse, prefills: list[Worker]
                        ) -> prefill_pb2.PrefillResponse:
         msg = prefill_pb2.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_proto(req.params), decode_address=d.address,
             reservation_id=resv.reservation_id, reserved_blocks=resv.num_blocks,
-            decode_kv_spec=resv.kv_spec)
+            decode_kv_spec=resv.kv_spec, reservation_secret=resv.reservation_secret)
         last: GatewayError | None = None
         for p in router.rank_prefill(prefills, req.prompt_token_ids, self.inflight):
             self._enter(p)

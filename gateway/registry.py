@@ -1,10 +1,12 @@
 """The worker registry: which prefill and decode workers exist and how loaded they are.
 
-A worker's life here: `register` (at its start-up; a known worker_id is replaced) → a
-`heartbeat` every ~1 s carrying its `WorkerLoad` → `deregister` at shutdown, or `expire`
-once it has been silent for `heartbeat_timeout_s`. Only workers heard from within the
-timeout are routable, so a dead worker gets no new traffic even between sweeps, and a new
-one gets traffic as soon as it registers.
+A worker's life here: `register` (at its start-up) → a `heartbeat` every ~1 s carrying its
+`WorkerLoad` → `deregister` at shutdown, or `expire` once it has been silent for
+`heartbeat_timeout_s`. A worker id is bound to the address it first registered with until
+then: registering it again from the same address refreshes the entry, from another one
+raises `WorkerIdTaken` (the registry never lets one member take over another's traffic).
+Only workers heard from within the timeout are routable, so a dead worker gets no new
+traffic even between sweeps, and a new one gets traffic as soon as it registers.
 
 Static workers (given on the command line) never register: the gateway polls their Stats
 RPC (see `StatsPoller` in server.py) and reports each answer with `observe`; they are
@@ -56,6 +58,10 @@ class Worker:
         return self.kv_spec.block_size if self.kv_spec else None
 
 
+class WorkerIdTaken(Exception):
+    """A live worker already holds this id at another address."""
+
+
 def static_worker_id(role: Role, address: str) -> str:
     return f"static-{role.value}-{address}"
 
@@ -77,11 +83,12 @@ class WorkerRegistry:
             raise ValueError("worker_id must not be empty")
         if not address:
             raise ValueError("address must not be empty")
-        w = Worker(worker_id, role, address, model, kv_spec, load, self.clock())
         old = self._workers.get(worker_id)
+        if old is not None and (old.static or old.address != address):
+            raise WorkerIdTaken(f"worker_id {worker_id!r} is registered at {old.address}; "
+                                "it can move once that worker deregisters or expires")
+        w = Worker(worker_id, role, address, model, kv_spec, load, self.clock())
         self._workers[worker_id] = w
-        if old is not None and old.address != address:
-            self._removed(old)
         return w
 
     def heartbeat(self, worker_id: str, load: Load) -> bool:

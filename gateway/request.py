@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -11,13 +12,15 @@ from pdserve.engine.sequence import TokenLogprobs
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    request_id: str
+    request_id: str  # the client's (or one assigned for it): echoed back, never a key
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     stop: tuple[str, ...] = ()
     priority: int = 0
     timeout_s: float | None = None  # from arrival; None: no deadline of its own
     arrival: float = 0.0  # time.monotonic() when the request reached the gateway
+    # the id workers know it by: minted here, so one client cannot name another's request
+    cluster_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request has at least one prompt token"

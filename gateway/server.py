@@ -1,10 +1,12 @@
-"""The gateway process: one asyncio loop serving gRPC (Gateway, health, reflection) and the
-OpenAI HTTP API, plus two housekeeping tasks — expiring silent workers and polling the
-Stats of static ones.
+"""The gateway process: one asyncio loop serving the public gRPC port (Gateway, health,
+reflection), the OpenAI HTTP API and the internal registry listener (WorkerRegistry and
+health, cluster credential required), plus two housekeeping tasks — expiring silent
+workers and polling the Stats of static ones.
 
-Life cycle: `start()` binds both ports with health NOT_SERVING, loads the tokenizer and
-config (never weights), then turns SERVING; `stop()` turns NOT_SERVING, stops taking
-requests, lets in-flight ones finish within the grace period, and closes the channels.
+Life cycle: `start()` binds the ports with health NOT_SERVING, loads the tokenizer and
+config (never weights) and fingerprints the model, then turns SERVING; `stop()` turns
+NOT_SERVING, stops taking requests, lets in-flight ones finish within the grace period,
+and closes the channels.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import fingerprint, rpc
+from pdserve.cluster_auth import ClusterCredentials
 from pdserve.engine.model_loader import load_config, load_tokenizer, resolve_model
 from pdserve.gateway.admission import AdmissionController
 from pdserve.gateway.channels import WorkerChannels
@@ -30,12 +34,14 @@ from pdserve.gateway.http_api import OpenAIServer
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prompts import PromptProcessor
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry, addresses
+from pdserve.gateway.registry_api import RegistryServicer
 from pdserve.metrics import TierMetrics
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+REGISTRY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["WorkerRegistry"].full_name
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000  # 0: pick a free port
     grpc_port: int = 50051  # 0: pick a free port
+    # internal: workers register here; 0: pick a free port; None: grpc_port + 1 (0 if that is)
+    registry_port: int | None = None
     prefill: tuple[str, ...] = ()  # static worker addresses
     decode: tuple[str, ...] = ()
     disagg_threshold: int = 0  # prompts shorter than this go colocated; 0: never
@@ -52,6 +60,7 @@ class GatewayConfig:
     heartbeat_timeout_s: float = 5.0
     default_max_tokens: int = 256
     grace_s: float = 5.0
+    credentials: ClusterCredentials = ClusterCredentials()
 
     def __post_init__(self) -> None:
         for name in ("disagg_threshold", "max_queue"):
@@ -63,6 +72,8 @@ class GatewayConfig:
             raise ValueError("heartbeat_timeout_s must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.registry_port is None:
+            object.__setattr__(self, "registry_port", self.grpc_port + 1 if self.grpc_port else 0)
         object.__setattr__(self, "prefill", tuple(addresses(",".join(self.prefill))))
         object.__setattr__(self, "decode", tuple(addresses(",".join(self.decode))))
 
@@ -73,8 +84,9 @@ class Gateway:
         self.gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
         self.grpc_port: int | None = None
         self.http_port: int | None = None
+        self.registry_port: int | None = None
         self.registry = WorkerRegistry(config.heartbeat_timeout_s)
-        self.channels = WorkerChannels()
+        self.channels = WorkerChannels(config.credentials)
         self.admission = AdmissionController(config.max_inflight, config.max_queue)
         self.metrics = TierMetrics(config.model, "gateway", self.gateway_id)
         self.metrics.running.set_function(lambda: self.admission.num_inflight)
@@ -85,6 +97,7 @@ class Gateway:
         self.orchestrator: Orchestrator | None = None
         self._serving = False
         self._server: grpc.aio.Server | None = None
+        self._registry_server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task] = []
         self.registry.on_remove.append(self._on_worker_removed)
@@ -92,6 +105,11 @@ class Gateway:
     @property
     def grpc_address(self) -> str:
         return f"{self.config.host}:{self.grpc_port}"
+
+    @property
+    def registry_address(self) -> str:
+        """Where workers register (`--gateway` of a worker)."""
+        return f"{self.config.host}:{self.registry_port}"
 
     @property
     def http_url(self) -> str:
@@ -104,28 +122,36 @@ class Gateway:
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        cfg.credentials.require_for(cfg.host, "the gateway's registry listener")
+        # the public port: clients carry no cluster credential
+        self._server = rpc.server(cfg.credentials, internal=False)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
-        if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC port {cfg.host}:{cfg.grpc_port}")
+        self.grpc_port = rpc.add_port(self._server, f"{cfg.host}:{cfg.grpc_port}", None)
+        self._registry_server = rpc.server(cfg.credentials)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._registry_server)
+        self.registry_port = rpc.add_port(self._registry_server,
+                                          f"{cfg.host}:{cfg.registry_port}", cfg.credentials)
 
         source = resolve_model(cfg.model)
         # one thread: transformers' lazy imports are not safe to race
-        hf_config, tokenizer = await asyncio.to_thread(
-            lambda: (load_config(source), load_tokenizer(source)))
+        hf_config, tokenizer, own = await asyncio.to_thread(
+            lambda: (load_config(source), load_tokenizer(source), fingerprint.of_source(source)))
         max_ctx = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
         self.prompts = PromptProcessor(cfg.model, tokenizer, max_ctx,
                                        int(hf_config.vocab_size), cfg.default_max_tokens)
         self.orchestrator = Orchestrator(self.registry, self.channels, self.admission,
                                          self.metrics, tokenizer, cfg.disagg_threshold)
-        servicer = GatewayServicer(self.prompts, self.orchestrator, self.registry,
-                                   heartbeat_interval_s=min(1.0, cfg.heartbeat_timeout_s / 3))
+        servicer = GatewayServicer(self.prompts, self.orchestrator, self.registry)
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self._server)
         reflection.enable_server_reflection(
             (GATEWAY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         await self._server.start()
+        gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(
+            RegistryServicer(self.registry, own,
+                             heartbeat_interval_s=min(1.0, cfg.heartbeat_timeout_s / 3)),
+            self._registry_server)
+        await self._registry_server.start()
 
         http = OpenAIServer(self.prompts, self.orchestrator, self.registry, self.metrics,
                             lambda: self._serving)
@@ -147,8 +173,9 @@ class Gateway:
                        asyncio.create_task(self._poll_loop())]
         self._serving = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("gateway %s serving %s: gRPC %s, HTTP %s (pid %d)", self.gateway_id,
-                 cfg.model, self.grpc_address, self.http_url, os.getpid())
+        log.info("gateway %s serving %s: gRPC %s, HTTP %s, registry %s (%s; pid %d)",
+                 self.gateway_id, cfg.model, self.grpc_address, self.http_url,
+                 self.registry_address, _describe(cfg.credentials), os.getpid())
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.config.grace_s if grace_s is None else grace_s
@@ -160,6 +187,8 @@ class Gateway:
         self._tasks = []
         if self._server is not None:
             await self._server.stop(grace)
+        if self._registry_server is not None:
+            await self._registry_server.stop(grace)
         if self._runner is not None:
             await self._runner.cleanup()
         if self.orchestrator is not None:
@@ -213,3 +242,8 @@ class Gateway:
         ws = self.registry.alive(Role.DECODE)
         total = sum(w.load.total_blocks for w in ws)
         return 0.0 if total == 0 else 1.0 - sum(w.load.free_blocks for w in ws) / total
+
+
+def _describe(creds: ClusterCredentials) -> str:
+    parts = (["cluster token"] if creds.token else []) + (["mTLS"] if creds.tls else [])
+    return " + ".join(parts) or "no cluster credential: loopback only"

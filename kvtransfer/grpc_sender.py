@@ -1,6 +1,8 @@
 """`GrpcKVTransport`: KV push over a gRPC client stream (`KVTransfer.Push`).
 
-One channel per destination address, shared by every stream to it. Each stream is one
+One channel per destination address (`pdserve.rpc.sync_channel`: the cluster's TLS and
+keepalive), shared by every stream to it. Each call carries the cluster token and the
+reservation's one-time secret as metadata. Each stream is one
 `Push` call started with `.future()`: gRPC's request-consumer thread pulls from a queue
 fed by `push_layer`, encodes each layer into chunks and sends them, so the compute thread
 only enqueues. Chunks are handed to gRPC as ready-made bytes
@@ -26,8 +28,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from pdserve import rpc
+from pdserve.cluster_auth import ClusterCredentials
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
+from pdserve.kvtransfer.receiver import SECRET_METADATA
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
 from pdserve.kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, commit_to_proto, encode_layer_messages
@@ -54,6 +59,7 @@ class GrpcKVPushStream(KVPushStream):
         self, push: grpc.StreamUnaryMultiCallable, dest_address: str,
         reservation_id: str, spec: KVCacheSpec, max_chunk_bytes: int,
         timeout_s: float | None, abort_wait_s: float,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.dest_address = dest_address
         self.reservation_id = reservation_id
@@ -67,7 +73,7 @@ class GrpcKVPushStream(KVPushStream):
         self._num_chunks = 0  # written only by the consumer thread
         self._bytes_sent = 0
         self._t_open = time.perf_counter()
-        self._future = push.future(self._requests(), timeout=timeout_s)
+        self._future = push.future(self._requests(), timeout=timeout_s, metadata=metadata)
         # unblock the consumer thread whatever ends the call
         self._future.add_done_callback(lambda _: self._queue.put(_END))
 
@@ -190,6 +196,7 @@ class GrpcKVTransport(KVTransport):
         timeout_s: float | None = None,
         abort_wait_s: float = 5.0,
         channel_options: Sequence[tuple[str, object]] = (),
+        credentials: ClusterCredentials = ClusterCredentials(),
     ) -> None:
         """timeout_s: deadline of a whole push (open to ack); None for none."""
         if max_chunk_bytes < 1:
@@ -199,6 +206,7 @@ class GrpcKVTransport(KVTransport):
         self._timeout_s = timeout_s
         self._abort_wait_s = abort_wait_s
         self._options = [("grpc.max_send_message_length", -1), *channel_options]
+        self._credentials = credentials
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
 
@@ -206,7 +214,8 @@ class GrpcKVTransport(KVTransport):
         with self._lock:
             entry = self._channels.get(address)
             if entry is None:
-                channel = grpc.insecure_channel(address, options=self._options)
+                channel = rpc.sync_channel(address, self._credentials,
+                                           options=self._options)
                 # requests go out as the bytes `_requests` made (no serializer): chunks are
                 # serialized by `encode_layer_messages` without a protobuf payload copy
                 push = channel.stream_unary(
@@ -216,10 +225,12 @@ class GrpcKVTransport(KVTransport):
                 self._channels[address] = entry
             return entry[1]
 
-    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec) -> KVPushStream:
+    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec,
+             secret: str = "") -> KVPushStream:
+        metadata = (*self._credentials.metadata(), (SECRET_METADATA, secret))
         return GrpcKVPushStream(
             self._push_method(dest_address), dest_address, reservation_id, spec,
-            self.max_chunk_bytes, self._timeout_s, self._abort_wait_s,
+            self.max_chunk_bytes, self._timeout_s, self._abort_wait_s, metadata,
         )
 
     def close(self) -> None:

@@ -2,8 +2,9 @@
 
 Reservations are lists of physical block ids taken from a free list, lowest first. A
 reservation is *open* (accepting KV) until it is committed or aborted; aborting frees its
-blocks at once, a committed one keeps them until `release`. Used by the tests and as the
-in-process backend for warm-up; it really writes the cache.
+blocks at once, a committed one keeps them until `release`. Its secret is the one given to
+`reserve` ("" by default: this sink serves tests and warm-up, never a network peer). Used
+by the tests and as the in-process backend for warm-up; it really writes the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class InMemoryKVSink:
         self._free: deque[int] = deque(range(spec.num_blocks))
         self._open: dict[str, list[int]] = {}
         self._committed: dict[str, list[int]] = {}
+        self._secrets: dict[str, str] = {}
         self.commits: dict[str, KVCommitInfo] = {}
         self.aborts: dict[str, str] = {}  # reservation id -> reason
 
@@ -42,7 +44,8 @@ class InMemoryKVSink:
     def can_reserve(self, num_blocks: int) -> bool:
         return 1 <= num_blocks <= len(self._free)
 
-    def reserve(self, num_blocks: int, reservation_id: str | None = None) -> str:
+    def reserve(self, num_blocks: int, reservation_id: str | None = None,
+                secret: str = "") -> str:
         """Takes `num_blocks` free blocks; raises RuntimeError when there is no room."""
         with self._lock:
             if not self.can_reserve(num_blocks):
@@ -51,6 +54,7 @@ class InMemoryKVSink:
             if rid in self._open or rid in self._committed:
                 raise ValueError(f"reservation {rid!r} exists")
             self._open[rid] = [self._free.popleft() for _ in range(num_blocks)]
+            self._secrets[rid] = secret
             return rid
 
     def block_table(self, reservation_id: str) -> list[int]:
@@ -69,6 +73,9 @@ class InMemoryKVSink:
     def reservation_num_blocks(self, reservation_id: str) -> int | None:
         table = self._open.get(reservation_id)
         return None if table is None else len(table)
+
+    def reservation_secret(self, reservation_id: str) -> str | None:
+        return self._secrets.get(reservation_id) if reservation_id in self._open else None
 
     def write_kv(
         self, reservation_id: str, layer: int, block_indices: list[int],

@@ -3,6 +3,9 @@
 Life cycle of one transfer (one Push stream, one reservation):
 
     Reserve (decode worker)  -> reservation open: blocks set aside, nothing written
+    stream opens             -> its `x-pdserve-reservation-secret` metadata compared with
+                                the reservation's secret: a stranger gets PERMISSION_DENIED
+                                and the reservation stays as it was
     KVChunk*                 -> each chunk validated in full (reservation, seq, layer,
                                 dtype, shape, block indices, size, crc32c), then written
                                 through `KVSink.write_kv`
@@ -14,7 +17,8 @@ Life cycle of one transfer (one Push stream, one reservation):
     | expiry (decode worker) -> the sink forgets the reservation; the next chunk or the
                                 commit gets NOT_FOUND
 
-Statuses: NOT_FOUND (unknown, expired or already finished reservation), INVALID_ARGUMENT
+Statuses: NOT_FOUND (unknown, expired or already finished reservation), PERMISSION_DENIED
+(wrong or missing secret), INVALID_ARGUMENT
 (malformed chunk or commit; the details start with the field's name), FAILED_PRECONDITION
 (another stream feeds the same reservation; that one is left alone), CANCELLED (the sender
 sent KVAbort), INTERNAL (the sink failed). A chunk is never written before it has passed
@@ -29,6 +33,7 @@ copy into the cache) and copied once.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -48,6 +53,8 @@ from pdserve.kvtransfer.wire import (
 from pdserve.protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+SECRET_METADATA = "x-pdserve-reservation-secret"
 
 
 class _Reject(Exception):
@@ -99,8 +106,10 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
         context: grpc.aio.ServicerContext,
     ) -> kvtransfer_pb2.PushAck:
         state: list[_Transfer] = []  # the stream's transfer once its first message arrived
+        secret = next((v for k, v in context.invocation_metadata() or ()
+                       if k == SECRET_METADATA), "")
         try:
-            return await self._serve(request_iterator, state)
+            return await self._serve(request_iterator, state, secret)
         except _Reject as r:
             reject = r
         except KVChunkError as e:
@@ -123,14 +132,15 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
         raise AssertionError("unreachable: context.abort raises")
 
     async def _serve(
-        self, request_iterator: AsyncIterator[WireMessage], state: list[_Transfer]
+        self, request_iterator: AsyncIterator[WireMessage], state: list[_Transfer],
+        secret: str,
     ) -> kvtransfer_pb2.PushAck:
         async for msg in request_iterator:
             kind, body = msg.kind, msg.body
             if kind is None or body is None:
                 raise KVChunkError("msg", msg.error or "empty KVMessage")
             if not state:
-                state.append(self._open(body.reservation_id))
+                state.append(self._open(body.reservation_id, secret))
             transfer = state[0]
             if body.reservation_id != transfer.reservation_id:
                 raise KVChunkError(
@@ -147,11 +157,16 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                               f"sender aborted: {body.reason}", abort_reservation=True)
         raise KVChunkError("commit", "stream ended without a KVCommit")
 
-    def _open(self, reservation_id: str) -> _Transfer:
+    def _open(self, reservation_id: str, secret: str) -> _Transfer:
         num_blocks = self._sink.reservation_num_blocks(reservation_id)
-        if num_blocks is None:
+        expected = self._sink.reservation_secret(reservation_id)
+        if num_blocks is None or expected is None:
             raise _Reject(grpc.StatusCode.NOT_FOUND,
                           f"reservation {reservation_id!r} is unknown, expired or finished",
+                          abort_reservation=False)
+        if not hmac.compare_digest(secret.encode(), expected.encode()):
+            raise _Reject(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{SECRET_METADATA}: not the secret of reservation {reservation_id!r}",
                           abort_reservation=False)
         if reservation_id in self._active:
             raise _Reject(grpc.StatusCode.FAILED_PRECONDITION,

@@ -48,6 +48,8 @@ class KVSink(Protocol):
     A reservation is a list of physical blocks set aside for one prompt; the transfer
     addresses them by logical index 0 .. n-1. Rules:
 
+    - `reservation_secret` is the one-time secret a push into the reservation must carry
+      (None like `reservation_num_blocks`); the receiver compares it before anything else.
     - `reservation_num_blocks` is the number of blocks the transfer must fill,
       `ceil(num_prompt_tokens / block_size)`. It returns None for an unknown reservation
       and for one that no longer accepts KV (committed, aborted or expired).
@@ -68,6 +70,8 @@ class KVSink(Protocol):
     def kv_spec(self) -> KVCacheSpec: ...
 
     def reservation_num_blocks(self, reservation_id: str) -> int | None: ...
+
+    def reservation_secret(self, reservation_id: str) -> str | None: ...
 
     def write_kv(
         self, reservation_id: str, layer: int, block_indices: list[int],

@@ -1,6 +1,6 @@
 """The sending side's interface: prefill workers push KV through a `KVTransport`.
 
-    stream = transport.open(dest_address, reservation_id, spec)
+    stream = transport.open(dest_address, reservation_id, spec, secret)
     for each layer, right after its forward:   stream.push_layer(layer, idx, k, v)  # no wait
     on success:                                result = stream.commit(info)      # waits for ack
     on failure or cancellation:                stream.abort(reason)
@@ -81,9 +81,10 @@ class KVTransport(ABC):
     """Opens push streams to decode workers; owns the connections."""
 
     @abstractmethod
-    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec) -> KVPushStream:
+    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec,
+             secret: str = "") -> KVPushStream:
         """Starts a transfer; spec is the sender's layout (equal to the receiver's but for
-        num_blocks)."""
+        num_blocks); secret is the reservation's, from ReserveResponse."""
 
     @abstractmethod
     def close(self) -> None:

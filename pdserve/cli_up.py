@@ -56,6 +56,12 @@ def register(subparsers) -> None:
     p.add_argument("--grpc-port", type=_nonneg_int, default=50051,
                    help="gateway gRPC port (default 50051; 0 = any free port); workers take "
                         "free ports above the gateway's")
+    p.add_argument("--registry-port", type=_nonneg_int, default=None,
+                   help="the gateway's internal registry port, where workers register "
+                        "(default: --grpc-port + 1, any free port when that is 0; 0 = any "
+                        "free port). Every process gets one cluster "
+                        "token, PDSERVE_CLUSTER_TOKEN from this environment or a new random "
+                        "one, in its environment")
     p.add_argument("--disagg-threshold", type=_nonneg_int, default=None, metavar="N",
                    help="passed to the gateway: prompts shorter than N tokens are served "
                         "colocated (default: the gateway's)")
@@ -104,7 +110,7 @@ class _Progress:
 def format_endpoints(e: Endpoints, model: str, log_dir: str) -> str:
     lines = [f"pdserve is up (model {model})",
              f"  OpenAI HTTP  {e.http_url}/v1   metrics {e.metrics_url}   pid {e.gateway_pid}",
-             f"  gRPC         {e.grpc_address}"]
+             f"  gRPC         {e.grpc_address}   registry {e.registry_address} (token only)"]
     for w in e.workers:
         cpus = ",".join(map(str, w.cpus)) if w.cpus else "any"
         lines.append(f"  {w.name:<12} {w.address}   metrics {w.metrics_url}   pid {w.pid}   "
@@ -122,7 +128,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
     try:
         cfg = ClusterConfig(
             model=a.model, num_prefill=a.prefill, num_decode=a.decode, http_port=a.http_port,
-            grpc_port=a.grpc_port, disagg_threshold=a.disagg_threshold,
+            grpc_port=a.grpc_port, registry_port=a.registry_port,
+            disagg_threshold=a.disagg_threshold,
             engine_args=tuple(engine_argv(a)), cpus=a.cpus, log_dir=a.log_dir)
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)

@@ -2,8 +2,9 @@
 
 Life cycle of a `LocalCluster`:
 
-1. `start()` picks ports (the gateway's as configured, 0 = any free; every worker's gRPC and
-   metrics ports free and above the gateway's), then spawns each tier with `python -m` in
+1. `start()` picks ports (the gateway's HTTP, gRPC and registry ports as configured, 0 = any
+   free; every worker's gRPC and metrics ports free and above the gateway's), then spawns
+   each tier with `python -m` in
    its own session (so its own process group, and a Ctrl-C in the terminal reaches only
    us), optionally pinned to CPU cores, its stdout and stderr going to `log_dir/NAME.log`.
 2. `wait_healthy(timeout)` polls every child's gRPC health service (`grpc.health.v1`,
@@ -16,7 +17,9 @@ Life cycle of a `LocalCluster`:
    from the kernel if this process dies without stopping them (PR_SET_PDEATHSIG).
 
 `endpoints` (after `start()`) says where everything listens. Nothing here imports the
-tiers themselves: the cluster only knows their command lines.
+tiers themselves: the cluster only knows their command lines. Every child gets the
+cluster token (`cluster_token`: given, from the environment, or generated here) in its
+environment, never in argv, where `ps` would show it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import atexit
 import ctypes
 import dataclasses
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -38,6 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from pdserve.cluster_auth import TOKEN_ENV
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -67,6 +73,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
+    registry_port: int | None = None  # internal registry; None: grpc_port + 1 (or any free)
     disagg_threshold: int | None = None
     engine_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
@@ -77,6 +84,7 @@ class ClusterConfig:
     python: str = sys.executable
     env: tuple[tuple[str, str], ...] = ()
     modules: tuple[tuple[str, str], ...] = tuple(MODULES.items())
+    cluster_token: str | None = None  # None: env PDSERVE_CLUSTER_TOKEN, else a new one
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -102,6 +110,7 @@ class Endpoints:
     grpc_address: str  # the gateway's gRPC, e.g. 127.0.0.1:50051
     gateway_pid: int
     workers: tuple[WorkerEndpoint, ...]
+    registry_address: str = ""  # the gateway's internal registry (workers' --gateway)
 
     @property
     def metrics_url(self) -> str:
@@ -290,6 +299,8 @@ class LocalCluster:
         self._lock = threading.Lock()
         self._stopped = False
         self.kill_now = threading.Event()  # set it to cut stop()'s grace period short
+        self.cluster_token = (cfg.cluster_token or dict(cfg.env).get(TOKEN_ENV)
+                              or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32))
 
     # -- planning
 
@@ -298,17 +309,23 @@ class LocalCluster:
         host = c.host
         http_port = c.http_port or free_port(host)
         grpc_port = c.grpc_port or free_port(host)
-        for what, port in (("HTTP", http_port), ("gRPC", grpc_port)):
+        registry_port = c.registry_port or (c.grpc_port + 1 if c.grpc_port and c.registry_port
+                                            is None else 0)
+        registry_port = registry_port or _ports_above(
+            host, max(http_port, grpc_port) + 1, 1, {http_port, grpc_port})[0]
+        for what, port in (("HTTP", http_port), ("gRPC", grpc_port),
+                           ("registry", registry_port)):
             if not port_is_free(host, port):
                 raise ClusterError(f"gateway {what} port {host}:{port} is in use")
         n_workers = c.num_prefill + c.num_decode
-        ports = _ports_above(host, max(http_port, grpc_port) + 1, 2 * n_workers,
-                             {http_port, grpc_port})
+        gateway_ports = {http_port, grpc_port, registry_port}
+        ports = _ports_above(host, max(gateway_ports) + 1, 2 * n_workers, gateway_ports)
         cpus = assign_cpus(c.cpus, c.num_prefill, c.num_decode)
         modules = dict(c.modules)
         py = [c.python, "-m"]
         gateway_argv = [*py, modules["gateway"], "--model", c.model, "--host", host,
-                        "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+                        "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                        "--registry-port", str(registry_port)]
         if c.disagg_threshold is not None:
             gateway_argv += ["--disagg-threshold", str(c.disagg_threshold)]
         gateway_argv += list(c.gateway_args)
@@ -316,6 +333,7 @@ class LocalCluster:
                            f"http://{host}:{http_port}/metrics", self.log_dir / "gateway.log",
                            cpus["gateway"][0])]
         gateway_addr = f"{host}:{grpc_port}"
+        registry_addr = f"{host}:{registry_port}"
         i = 0
         for tier, n, extra in (("prefill", c.num_prefill, c.prefill_args),
                                ("decode", c.num_decode, c.decode_args)):
@@ -326,7 +344,7 @@ class LocalCluster:
                 core_set = cpus[tier][k]
                 argv = [*py, modules[tier], "--model", c.model, "--host", host,
                         "--port", str(port), "--metrics-port", str(mport),
-                        "--gateway", gateway_addr, "--worker-id", name,
+                        "--gateway", registry_addr, "--worker-id", name,
                         *c.engine_args, *extra]
                 if core_set is not None and "--threads" not in argv:
                     argv += ["--threads", str(len(core_set))]
@@ -334,7 +352,7 @@ class LocalCluster:
                                        self.log_dir / f"{name}.log", core_set))
         self._endpoints = Endpoints(
             http_url=f"http://{host}:{http_port}", grpc_address=gateway_addr, gateway_pid=0,
-            workers=())
+            workers=(), registry_address=registry_addr)
         return children
 
     # -- life cycle
@@ -344,7 +362,8 @@ class LocalCluster:
         assert not self._children, "start() called twice"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         children = self._plan()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.config.env)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.config.env),
+               TOKEN_ENV: self.cluster_token}
         # PDEATHSIG fires when the *thread* that forked dies: only safe from the main thread
         prctl = _resolve_prctl() if threading.current_thread() is threading.main_thread() else None
         atexit.register(self.stop)
@@ -386,7 +405,8 @@ class LocalCluster:
                            ch.metrics_url, ch.proc.pid if ch.proc else 0, ch.cpus)
             for ch in self._children[1:])
         return Endpoints(self._endpoints.http_url, self._endpoints.grpc_address,
-                         gw.proc.pid if gw and gw.proc else 0, workers)
+                         gw.proc.pid if gw and gw.proc else 0, workers,
+                         self._endpoints.registry_address)
 
     @property
     def pids(self) -> list[int]:

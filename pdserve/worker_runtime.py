@@ -1,9 +1,11 @@
 """What every worker process shares: its command-line flags, a grpc.aio server with the
 health and reflection services, the `/metrics` HTTP endpoint, registration and heartbeats
-to every gateway it is given (one independent registration each: gateways share nothing),
-and the SIGTERM -> NOT_SERVING -> graceful stop sequence.
+to every gateway's registry it is given (one independent registration each: gateways share
+nothing), and the SIGTERM -> NOT_SERVING -> graceful stop sequence.
 
-Health is NOT_SERVING until the model is loaded and the servicers are added.
+Health is NOT_SERVING until the model is loaded and the servicers are added. Every RPC but
+health needs the cluster credential (`pdserve.cluster_auth`), and the server and the
+registration channel come from `pdserve.rpc`, whose keepalive settings agree.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import fingerprint, rpc
 from pdserve.addresses import addresses
+from pdserve.cluster_auth import ClusterCredentials, add_credential_args, credentials_from_args
 from pdserve.convert import kv_spec_to_proto
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.config import EngineConfig
@@ -33,8 +37,6 @@ from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")
 
-MAX_MESSAGE_BYTES = 64 * 2**20  # KV chunks and long prompts fit comfortably
-
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -42,11 +44,12 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
     metrics_port: int | None = None  # None = no /metrics server; 0 = pick a free port
-    gateways: tuple[str, ...] = ()  # gateways' gRPC addresses; registers with each
+    gateways: tuple[str, ...] = ()  # gateways' registry addresses; registers with each
     worker_id: str | None = None
     advertise_address: str | None = None  # what others dial; default host:bound port
     heartbeat_interval_s: float = 1.0
     reservation_timeout_s: float = 30.0  # decode: uncommitted reservations expire
+    credentials: ClusterCredentials = ClusterCredentials()
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -56,14 +59,15 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics over HTTP on this port (default: off)")
     g.add_argument("--gateway", action="append", default=[], metavar="ADDRS",
-                   help="gateway gRPC address(es) host:port,... to register and heartbeat "
-                        "with; repeatable. Each gateway is independent: one down does not "
-                        "stop the others' heartbeats")
+                   help="gateway registry address(es) host:port,... (each gateway's "
+                        "--registry-port) to register and heartbeat with; repeatable. Each "
+                        "gateway is independent: one down does not stop the others' heartbeats")
     g.add_argument("--worker-id", default=None, help="stable worker id (default: random)")
     g.add_argument("--advertise-address", default=None,
                    help="host:port the gateway and other workers dial (default: host:port)")
     g.add_argument("--heartbeat-interval", type=float, default=1.0,
                    help="seconds between heartbeats to the gateway (default 1)")
+    add_credential_args(p)
     add_engine_args(p)
 
 
@@ -73,7 +77,8 @@ def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
                         metrics_port=a.metrics_port,
                         gateways=tuple(addresses(a.gateway, "--gateway")), worker_id=a.worker_id,
                         advertise_address=a.advertise_address,
-                        heartbeat_interval_s=a.heartbeat_interval, **extra)
+                        heartbeat_interval_s=a.heartbeat_interval,
+                        credentials=credentials_from_args(a), **extra)
 
 
 class _LateServices(grpc.GenericRpcHandler):
@@ -103,20 +108,15 @@ class GrpcService:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`) and reflection.
     Tier servicers go on `services`, which works before and after `start()`."""
 
-    def __init__(self, host: str, port: int, service_names: tuple[str, ...] = ()) -> None:
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ])
+    def __init__(self, host: str, port: int, service_names: tuple[str, ...] = (),
+                 credentials: ClusterCredentials = ClusterCredentials()) -> None:
+        self.server = rpc.server(credentials)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
             health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.services = _LateServices()
         self.server.add_generic_rpc_handlers((self.services,))
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC server to {host}:{port}")
+        self.port = rpc.add_port(self.server, f"{host}:{port}", credentials)
         # reflection copies the list when enabled: every name must be known up front
         self._service_names = [*service_names,
                                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -173,21 +173,25 @@ class MetricsServer:
 
 
 class GatewayRegistration:
-    """Registers with one gateway and heartbeats load; re-registers when forgotten.
-    The gateway being down is not fatal: the worker keeps trying. A worker holds one per
-    gateway, each with its own channel and task, so one gateway's failure never delays
-    another's heartbeats."""
+    """Registers with one gateway's registry and heartbeats load; re-registers when
+    forgotten. The gateway being down is not fatal: the worker keeps trying. A refusal
+    (wrong credential, incompatible fingerprint, id bound elsewhere) is logged as an error
+    each time its reason changes, and retried: the gateway may be the one to change. A
+    worker holds one per gateway, each with its own channel and task, so one gateway's
+    failure never delays another's heartbeats."""
 
     def __init__(self, gateway: str, info: Callable[[], gateway_pb2.WorkerInfo],
-                 load: Callable[[], common_pb2.WorkerLoad], interval_s: float) -> None:
+                 load: Callable[[], common_pb2.WorkerLoad], interval_s: float,
+                 credentials: ClusterCredentials = ClusterCredentials()) -> None:
         self.gateway = gateway
         self.info = info
         self.load = load
         self.interval_s = interval_s
         self._task: asyncio.Task | None = None
-        self._channel = grpc.aio.insecure_channel(gateway)
-        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._channel = rpc.aio_channel(gateway, credentials)
+        self._stub = gateway_pb2_grpc.WorkerRegistryStub(self._channel)
         self.registered = asyncio.Event()
+        self.refusal: str | None = None  # the registry's last refusal, if it refused
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -211,6 +215,12 @@ class GatewayRegistration:
             except grpc.aio.AioRpcError as e:
                 if known:
                     log.warning("heartbeat to %s failed: %s", self.gateway, e.code().name)
+                elif e.code() in _REFUSALS:
+                    refusal = f"{e.code().name}: {e.details()}"
+                    if refusal != self.refusal:
+                        log.error("gateway %s refused the registration: %s", self.gateway,
+                                  refusal)
+                    self.refusal = refusal
                 known = False
             await asyncio.sleep(self.interval_s)
 
@@ -227,6 +237,10 @@ class GatewayRegistration:
         except grpc.aio.AioRpcError:
             pass
         await self._channel.close()
+
+
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def new_worker_id(role: str) -> str:
@@ -275,11 +289,13 @@ class WorkerBase:
 
     async def start(self) -> None:
         cfg = self.config
-        self.grpc = GrpcService(cfg.host, cfg.port, self.service_names)
+        cfg.credentials.require_for(cfg.host, f"the {self.role} worker")
+        self.grpc = GrpcService(cfg.host, cfg.port, self.service_names, cfg.credentials)
         await self.grpc.start()  # health answers NOT_SERVING while the model loads
         self.address = cfg.advertise_address or f"{cfg.host}:{self.grpc.port}"
         self.engine = self._engine or await asyncio.to_thread(LLMEngine, cfg.engine)
         self.model_name = cfg.engine.model
+        self.fingerprint = await asyncio.to_thread(fingerprint.of_model, cfg.engine.model)
         self.metrics = TierMetrics(self.model_name, self.role, self.worker_id)
         self.aengine = AsyncEngine(self.engine, self.max_prefix_hashes)
         self.aengine.start()
@@ -289,7 +305,7 @@ class WorkerBase:
             await self.metrics_server.start(cfg.host, cfg.metrics_port)
         await self.grpc.set_serving(True)
         self.registrations = [GatewayRegistration(gw, self.worker_info, self.load,
-                                                  cfg.heartbeat_interval_s)
+                                                  cfg.heartbeat_interval_s, cfg.credentials)
                               for gw in cfg.gateways]
         for r in self.registrations:
             r.start()
@@ -329,7 +345,7 @@ class WorkerBase:
         return gateway_pb2.WorkerInfo(
             worker_id=self.worker_id, role=self.role_proto, address=self.address,
             model=self.model_name, kv_spec=kv_spec_to_proto(self.engine.kv_spec),
-            load=self.load())
+            load=self.load(), fingerprint=fingerprint.to_proto(self.fingerprint))
 
     async def stats(self) -> common_pb2.StatsResponse:
         return common_pb2.StatsResponse(worker_id=self.worker_id, model=self.model_name,

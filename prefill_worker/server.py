@@ -25,7 +25,8 @@ class PrefillWorker(WorkerBase):
         self.max_chunk_bytes = max_chunk_bytes
 
     def add_services(self, server) -> None:
-        self.transport = GrpcKVTransport(max_chunk_bytes=self.max_chunk_bytes)
+        self.transport = GrpcKVTransport(max_chunk_bytes=self.max_chunk_bytes,
+                                         credentials=self.config.credentials)
         self.service = PrefillService(self.aengine, self.transport, self.metrics, self.stats)
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, server)
 

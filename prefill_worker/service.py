@@ -83,7 +83,8 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
         except ValueError as e:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-        stream = self.transport.open(request.decode_address, request.reservation_id, spec)
+        stream = self.transport.open(request.decode_address, request.reservation_id, spec,
+                                     request.reservation_secret)
         committed = False
         try:
             delta = None

@@ -22,6 +22,7 @@ for a skip reason.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -111,6 +112,7 @@ class Topology:
                       for i, n in enumerate(names)}
         self._made: list[str] = []  # namespaces to delete, in creation order
         self._procs: list[subprocess.Popen] = []
+        self.cluster_token = secrets.token_urlsafe(24)
 
     def host(self, name: str) -> Host:
         return self.hosts[name]
@@ -144,8 +146,11 @@ class Topology:
         self._made.append(name)
 
     def env(self) -> dict[str, str]:
-        """What every process gets: this checkout first on the path, one thread each."""
+        """What every process gets: this checkout first on the path, one thread each, and the
+        topology's cluster token (its processes bind non-loopback addresses, which the tiers
+        refuse to do without one)."""
         env = dict(os.environ)
+        env["PDSERVE_CLUSTER_TOKEN"] = self.cluster_token
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         return env

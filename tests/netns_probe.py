@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -23,6 +24,7 @@ import urllib.request
 import grpc
 
 from pdserve.client import PdserveClient
+from pdserve.cluster_auth import TOKEN_METADATA
 from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 
@@ -60,10 +62,12 @@ async def generate(gateway: str, prompts: list[list[int]], max_tokens: int) -> l
 
 
 async def stats(address: str, role: str) -> list[int]:
+    token = os.environ["PDSERVE_CLUSTER_TOKEN"]
     async with grpc.aio.insecure_channel(address) as ch:
         stub = (decode_pb2_grpc.DecodeWorkerStub(ch) if role == "decode"
                 else prefill_pb2_grpc.PrefillWorkerStub(ch))
-        s = await stub.Stats(common_pb2.StatsRequest(), timeout=5)
+        s = await stub.Stats(common_pb2.StatsRequest(), timeout=5,
+                             metadata=((TOKEN_METADATA, token),))
         return [s.load.free_blocks, s.load.total_blocks]
 
 

@@ -111,13 +111,14 @@ FAKE_TIER = textwrap.dedent('''
         for f in ("--model", "--host", "--gateway", "--worker-id", "--metrics-port",
                   "--threads", "--kv-cache-memory", "--disagg-threshold"):
             p.add_argument(f)
-        for f in ("--port", "--grpc-port", "--http-port"):
+        for f in ("--port", "--grpc-port", "--http-port", "--registry-port"):
             p.add_argument(f, type=int)
         a = p.parse_args()
         name = a.worker_id or tier
         out = os.environ["FAKE_OUT"]
         with open(os.path.join(out, name + ".json"), "w") as f:
-            json.dump({"argv": sys.argv[1:], "cpus": sorted(os.sched_getaffinity(0))}, f)
+            json.dump({"argv": sys.argv[1:], "cpus": sorted(os.sched_getaffinity(0)),
+                       "token": os.environ.get("PDSERVE_CLUSTER_TOKEN")}, f)
         if os.environ.get("FAKE_CRASH") == name:
             print("boom: cannot load the model", flush=True)
             sys.exit(3)
@@ -208,7 +209,8 @@ def test_local_cluster_starts_waits_and_stops(fakes):
         cluster.start()
         e = cluster.wait_healthy(timeout=60, progress=seen.append, poll_s=0.1)
         assert [w.name for w in e.workers] == ["prefill-0", "decode-0", "decode-1"]
-        gw_port = max(int(e.http_url.rsplit(":", 1)[1]), int(e.grpc_address.rsplit(":", 1)[1]))
+        gw_port = max(int(a.rsplit(":", 1)[1])
+                      for a in (e.http_url, e.grpc_address, e.registry_address))
         ports = [int(w.address.rsplit(":", 1)[1]) for w in e.workers] + [
             int(w.metrics_url.split(":")[2].split("/")[0]) for w in e.workers]
         assert len(set(ports)) == len(ports) and min(ports) > gw_port
@@ -222,7 +224,16 @@ def test_local_cluster_starts_waits_and_stops(fakes):
             assert set(pf["cpus"]).isdisjoint(d0["cpus"])
         assert pf["argv"][pf["argv"].index("--threads") + 1] == str(len(pf["cpus"]))
         assert pf["argv"][pf["argv"].index("--kv-cache-memory") + 1] == "64MiB"
-        assert pf["argv"][pf["argv"].index("--gateway") + 1] == e.grpc_address
+        # workers register on the internal registry port, not the public one
+        assert pf["argv"][pf["argv"].index("--gateway") + 1] == e.registry_address
+        assert e.registry_address != e.grpc_address
+        gw = _recorded(fakes, "gateway")
+        assert gw["argv"][gw["argv"].index("--registry-port") + 1] == \
+            e.registry_address.rsplit(":", 1)[1]
+        # one generated cluster token, handed over in the environment, never in argv
+        tokens = {r["token"] for r in (gw, pf, d0)}
+        assert tokens == {cluster.cluster_token} and len(cluster.cluster_token) >= 32
+        assert not any(cluster.cluster_token in " ".join(r["argv"]) for r in (gw, pf, d0))
         assert _recorded(fakes, "gateway")["cpus"] == avail  # the gateway is not pinned
         grandchild = int((fakes / "out" / "decode-1.grandchild").read_text())
         pids = cluster.pids

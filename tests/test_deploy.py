@@ -39,8 +39,9 @@ def _engine_flags() -> set[str]:
 _WORKER = {"--model", "--host", "--port", "--metrics-port", "--gateway", "--worker-id",
            "--advertise-address"}
 CONTRACT = {
-    "pdserve.gateway": {"--model", "--host", "--http-port", "--grpc-port", "--prefill",
-                        "--decode", "--disagg-threshold", "--max-queue", "--heartbeat-timeout"},
+    "pdserve.gateway": {"--model", "--host", "--http-port", "--grpc-port", "--registry-port",
+                        "--prefill", "--decode", "--disagg-threshold", "--max-queue",
+                        "--heartbeat-timeout"},
     "pdserve.prefill_worker": _WORKER | _engine_flags(),
     "pdserve.decode_worker": _WORKER | _engine_flags() | {"--reservation-timeout"},
 }
@@ -143,8 +144,42 @@ def test_compose_ports_agree(compose):
         assert {int(w["--port"]), int(w["--metrics-port"])} == exposed
         assert port_of(w["--advertise-address"]) == int(w["--port"])
         assert svcs[name]["healthcheck"]["test"][-1] == w["--port"]
+        # workers register on the internal registry port, which is exposed to the compose
+        # network but never published on the host
         host, port = w["--gateway"].rsplit(":", 1)
-        assert host == "gateway" and int(port) == int(gw["--grpc-port"])
+        assert host == "gateway" and int(port) == int(gw["--registry-port"])
+    assert [int(p) for p in svcs["gateway"]["expose"]] == [int(gw["--registry-port"])]
+    published = {p.split(":")[-1] for p in svcs["gateway"]["ports"]}
+    assert gw["--registry-port"] not in published
+
+
+def test_compose_secrets_and_monitoring_stay_private(compose):
+    """The cluster token comes from a compose secret (a git-ignored file, never argv);
+    Prometheus and Grafana listen on the host's loopback only, Grafana without anonymous
+    access and with its admin password from a secret."""
+    svcs = compose["services"]
+    secrets = compose["secrets"]
+    for name in MODULES:
+        svc = svcs[name]
+        assert "cluster_token" in svc["secrets"]
+        assert svc["environment"]["PDSERVE_CLUSTER_TOKEN_FILE"] == "/run/secrets/cluster_token"
+        assert "PDSERVE_CLUSTER_TOKEN" not in svc["environment"]
+        _, flags = compose_command(svc)
+        assert "--cluster-token" not in flags
+    for s in secrets.values():
+        path = ROOT / s["file"]
+        assert path.parent == DEPLOY / "secrets"
+        r = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=ROOT, check=False)
+        assert r.returncode == 0, f"{s['file']} is not git-ignored"
+    assert "deploy/secrets" in (DEPLOY / "Dockerfile.dockerignore").read_text().split()
+    for name in ("prometheus", "grafana"):
+        for p in svcs[name]["ports"]:
+            assert p.startswith("127.0.0.1:"), f"{name} publishes {p} beyond this host"
+    env = svcs["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+    assert "grafana_admin_password" in svcs["grafana"]["secrets"]
 
 
 def test_prometheus_scrapes_every_tier(compose):
@@ -269,8 +304,8 @@ def test_k8s_ports_probes_env(k8s, tier):
     _, flags = parse_cmdline([*c["command"], *c["args"]])
     ports = {p["containerPort"] for p in c["ports"]}
     names = {p["name"]: p["containerPort"] for p in c["ports"]}
-    port_flags = ("--http-port", "--grpc-port") if tier == "gateway" else ("--port",
-                                                                          "--metrics-port")
+    port_flags = (("--http-port", "--grpc-port", "--registry-port") if tier == "gateway"
+                  else ("--port", "--metrics-port"))
     assert {int(flags[f]) for f in port_flags} == ports
     grpc_port = int(flags["--grpc-port"] if tier == "gateway" else flags["--port"])
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -285,16 +320,28 @@ def test_k8s_ports_probes_env(k8s, tier):
         key = e.get("valueFrom", {}).get("configMapKeyRef")
         if key:
             assert key["key"] in cm[key["name"]]["data"]
+    # the cluster token: from the Secret the README says to create, never in args
+    token = env["PDSERVE_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert (token["name"], token["key"]) == ("pdserve-cluster", "token")
+    readme = (DEPLOY / "k8s" / "README.md").read_text()
+    assert "create secret generic pdserve-cluster" in readme and "--from-literal=token=" in readme
+    assert "--cluster-token" not in flags
     ann = dep["spec"]["template"]["metadata"]["annotations"]
     metrics_port = int(flags["--http-port"] if tier == "gateway" else flags["--metrics-port"])
     assert int(ann["prometheus.io/port"]) == metrics_port
     if tier != "gateway":
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert flags["--advertise-address"] == f"$(POD_IP):{grpc_port}"
-        gw_svc = _kind(k8s, "Service")["pdserve-gateway"]
+        reg_svc = _kind(k8s, "Service")["pdserve-registry"]
+        gw_dep = _kind(k8s, "Deployment")["pdserve-gateway"]
+        _, gw_flags = parse_cmdline([*_container(gw_dep)["command"], *_container(gw_dep)["args"]])
         host, port = flags["--gateway"].rsplit(":", 1)
-        assert host == "pdserve-gateway"
-        assert int(port) in {p["port"] for p in gw_svc["spec"]["ports"]}
+        assert host == "pdserve-registry"
+        (svc_port,) = reg_svc["spec"]["ports"]
+        assert int(port) == svc_port["port"] and svc_port["targetPort"] == int(
+            gw_flags["--registry-port"])
+        assert reg_svc["spec"]["selector"].items() <= \
+            gw_dep["spec"]["template"]["metadata"]["labels"].items()
 
 
 @pytest.mark.parametrize("tier", list(MODULES))
@@ -327,3 +374,34 @@ def test_k8s_hpas_scale_worker_tiers_on_documented_metrics(k8s):
         assert f"pdserve:{metric}" in exported
         assert f"pdserve_{metric}" in readme
     assert 'as: "pdserve_${1}"' in readme
+
+
+def _peers(rule: dict) -> set[str]:
+    return {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+            for p in rule.get("from", [])}
+
+
+def test_k8s_network_policies(k8s):
+    """Only the gateway reaches workers' gRPC, only prefill pods reach decode's too (the
+    KV push), only workers reach the registry; clients reach the gateway's public ports."""
+    pols = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]: p
+            for p in _kind(k8s, "NetworkPolicy").values()}
+    assert set(pols) == {f"pdserve-{t}" for t in MODULES}
+
+    def who(tier: str, port: int) -> set[str] | None:
+        """Pods admitted to a port (None: anyone)."""
+        admitted: set[str] = set()
+        for rule in pols[f"pdserve-{tier}"]["spec"]["ingress"]:
+            if port in {p["port"] for p in rule["ports"]}:
+                if "from" not in rule:
+                    return None
+                admitted |= _peers(rule)
+        return admitted
+
+    assert all(p["spec"]["policyTypes"] == ["Ingress"] for p in pols.values())
+    assert who("gateway", 8000) is None and who("gateway", 50051) is None
+    assert who("gateway", 50052) == {"pdserve-prefill", "pdserve-decode"}
+    assert who("prefill", 50061) == {"pdserve-gateway"}
+    assert who("decode", 50061) == {"pdserve-gateway", "pdserve-prefill"}
+    for tier in ("prefill", "decode"):
+        assert who(tier, 9100) == {"prometheus"}

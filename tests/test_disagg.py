@@ -55,7 +55,8 @@ async def _disagg_generate(decode_addr: str, prefill_addr: str, ids: list[int],
         pre = await p.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=sp,
             decode_address=decode_addr, reservation_id=res.reservation_id,
-            reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec))
+            reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec,
+            reservation_secret=res.reservation_secret))
         tokens = []
         async for chunk in stream:
             tokens.extend(chunk.token_ids)
@@ -148,7 +149,8 @@ def test_corrupt_chunk_rejected_cache_untouched(tiny_model_dir):
 
                 kv = kvtransfer_pb2_grpc.KVTransferStub(ch)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await kv.Push(msgs())
+                    await kv.Push(msgs(), metadata=(("x-pdserve-reservation-secret",
+                                                     res.reservation_secret),))
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "crc32c" in e.value.details()
                 # the reservation is gone: its Decode stream is refused

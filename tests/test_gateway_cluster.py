@@ -123,7 +123,7 @@ def test_real_smollm2_chat_matches_the_engine(tmp_path):
     [ref] = eng.generate([ids], SamplingParams(max_tokens=16, temperature=0))
     c = Cluster("smollm2-135m")
     try:
-        w = DecodeWorker(WorkerConfig(engine=eng.config, gateways=(c.gateway.grpc_address,)),
+        w = DecodeWorker(WorkerConfig(engine=eng.config, gateways=(c.gateway.registry_address,)),
                          engine=eng)
         c.lt.run(w.start())
         c.workers.append(w)

@@ -54,7 +54,7 @@ class Cluster:
         engine = tiny_engine(self.model_dir, **engine_kw)
         cls = DecodeWorker if kind == "decode" else PrefillWorker
         cfg = WorkerConfig(engine=engine.config, heartbeat_interval_s=0.3,
-                           gateways=(self.gateway.grpc_address,) if register else ())
+                           gateways=(self.gateway.registry_address,) if register else ())
         w = cls(cfg, engine=engine)
         self.lt.run(w.start())
         if register:

@@ -29,7 +29,7 @@ from netns import Topology, unavailable
 
 from pdserve.engine.sampling_params import SamplingParams
 
-GRPC_PORT, HTTP_PORT = 50051, 8000  # gateways; every namespace has its own port space
+GRPC_PORT, HTTP_PORT, REGISTRY_PORT = 50051, 8000, 50052  # gateways; every namespace has its own port space
 WORKER_PORT, METRICS_PORT = 50061, 9100
 HEARTBEAT_TIMEOUT_S = 3.0  # 10 heartbeats; under the 5 s deadline of a call that hangs
 MAX_TOKENS = 12
@@ -110,12 +110,12 @@ class Hosts:
 def _start(topo: Topology, log_dir: Path, model_dir: str) -> Hosts:
     h = Hosts(topo, log_dir)
     cli = [sys.executable, "-m", "pdserve.cli"]
-    gateways = f"{h.grpc('gw-a')},{h.grpc('gw-b')}"
+    gateways = ",".join(f"{topo.address(gw)}:{REGISTRY_PORT}" for gw in ("gw-a", "gw-b"))
     for gw, threshold in (("gw-a", 0), ("gw-b", 1 << 20)):
         h.procs[gw] = topo.spawn(gw, [
             *cli, "gateway", "--model", model_dir, "--host", topo.address(gw),
             "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
-            "--disagg-threshold", str(threshold),
+            "--registry-port", str(REGISTRY_PORT), "--disagg-threshold", str(threshold),
             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], log_dir / f"{gw}.log")
     for tier in ("prefill", "decode"):
         addr = topo.address(tier)
@@ -154,7 +154,8 @@ def reference(tiny_model_dir) -> list[list[int]]:
 
 
 def test_each_process_binds_only_its_own_address(hosts):
-    expected = {"gw-a": {GRPC_PORT, HTTP_PORT}, "gw-b": {GRPC_PORT, HTTP_PORT},
+    gw_ports = {GRPC_PORT, HTTP_PORT, REGISTRY_PORT}
+    expected = {"gw-a": gw_ports, "gw-b": gw_ports,
                 "prefill": {WORKER_PORT, METRICS_PORT}, "decode": {WORKER_PORT, METRICS_PORT},
                 "client": set()}
     for name, ports in expected.items():

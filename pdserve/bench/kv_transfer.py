@@ -40,11 +40,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import torch
 
+from pdserve import rpc
 from pdserve.bench.report_io import emit_report
 from pdserve.cluster import LocalCluster
+from pdserve.cluster_auth import ClusterCredentials
 from pdserve.convert import kv_spec_from_proto, sampling_to_proto
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.sampling_params import SamplingParams
@@ -116,7 +117,7 @@ async def _push_once(d, decode_addr: str, decode_pid: int, transport: GrpcKVTran
     kv = kv_cache[key]
     s0, r0 = time.process_time(), process_cpu_s(decode_pid)
     t0 = time.perf_counter()
-    stream = transport.open(decode_addr, res.reservation_id, spec)
+    stream = transport.open(decode_addr, res.reservation_id, spec, res.reservation_secret)
     for layer in range(spec.num_layers):
         stream.push_layer(layer, list(range(n)), kv[layer, 0], kv[layer, 1])
     result = await asyncio.to_thread(
@@ -131,12 +132,12 @@ async def _push_once(d, decode_addr: str, decode_pid: int, transport: GrpcKVTran
 
 
 async def bandwidth(decode_addr: str, decode_pid: int, n_tokens: int, repeats: int,
-                    chunk: int) -> dict:
+                    chunk: int, creds: ClusterCredentials) -> dict:
     rates, send_cpu, recv_cpu = [], [], []
     kv_cache: dict = {}
-    async with grpc.aio.insecure_channel(decode_addr) as ch:
+    async with rpc.aio_channel(decode_addr, creds) as ch:
         d = decode_pb2_grpc.DecodeWorkerStub(ch)
-        transport = GrpcKVTransport(max_chunk_bytes=chunk)
+        transport = GrpcKVTransport(max_chunk_bytes=chunk, credentials=creds)
         await _push_once(d, decode_addr, decode_pid, transport, n_tokens, 999, kv_cache)
         for r in range(repeats):  # after one warm-up push, above
             p = await _push_once(d, decode_addr, decode_pid, transport, n_tokens, 1000 + r,
@@ -152,10 +153,11 @@ async def bandwidth(decode_addr: str, decode_pid: int, n_tokens: int, repeats: i
             "receiver_cpu_ms_per_MiB": [round(x, 3) for x in recv_cpu]}
 
 
-async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats: int) -> dict:
+async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats: int,
+                     creds: ClusterCredentials) -> dict:
     rows = []
-    async with grpc.aio.insecure_channel(decode_addr) as dch, \
-            grpc.aio.insecure_channel(prefill_addr) as pch:
+    async with rpc.aio_channel(decode_addr, creds) as dch, \
+            rpc.aio_channel(prefill_addr, creds) as pch:
         d = decode_pb2_grpc.DecodeWorkerStub(dch)
         p = prefill_pb2_grpc.PrefillWorkerStub(pch)
         for r in range(repeats):
@@ -168,7 +170,8 @@ async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats
                 request_id=rid, prompt_token_ids=ids,
                 sampling=sampling_to_proto(SamplingParams(max_tokens=2, temperature=0)),
                 decode_address=decode_addr, reservation_id=res.reservation_id,
-                reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec))
+                reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec,
+                reservation_secret=res.reservation_secret))
             ttft = time.perf_counter() - t0
             async for _ in stream:
                 pass
@@ -181,15 +184,17 @@ async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats
     return {"median": med, "runs": rows}
 
 
-async def run(endpoints, lengths: list[int], repeats: int, chunk: int) -> dict:
+async def run(endpoints, lengths: list[int], repeats: int, chunk: int,
+              creds: ClusterCredentials) -> dict:
     dec = next(w for w in endpoints.workers if w.tier == "decode")
     pre = next(w for w in endpoints.workers if w.tier == "prefill")
     pin_this_process(pre.cpus)
     out = {}
     for n in lengths:
         print(f"{n}-token prompts ...", file=sys.stderr)
-        out[str(n)] = {"bandwidth": await bandwidth(dec.address, dec.pid, n, repeats, chunk),
-                       "ttft": await ttft_split(dec.address, pre.address, n, repeats)}
+        out[str(n)] = {"bandwidth": await bandwidth(dec.address, dec.pid, n, repeats, chunk,
+                                                    creds),
+                       "ttft": await ttft_split(dec.address, pre.address, n, repeats, creds)}
     return out
 
 
@@ -214,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         report = {"command": "python -m pdserve.bench.kv_transfer "
                    + " ".join(argv or sys.argv[1:]),
                   "bandwidth_definition": BANDWIDTH_DEFINITION,
-                  "results": asyncio.run(run(eps, lengths, a.repeats, a.max_chunk_bytes))}
+                  "results": asyncio.run(run(eps, lengths, a.repeats, a.max_chunk_bytes,
+                                             ClusterCredentials(token=cluster.cluster_token)))}
     emit_report(report, a.out)
     return 0
 

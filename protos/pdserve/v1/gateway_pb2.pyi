@@ -110,20 +110,34 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "kv_spec", "load")
+    __slots__ = ("worker_id", "role", "address", "model", "kv_spec", "load", "fingerprint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
     model: str
     kv_spec: _common_pb2.KVCacheSpec
     load: _common_pb2.WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[_common_pb2.KVCacheSpec, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    fingerprint: Fingerprint
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[_common_pb2.KVCacheSpec, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
+
+class Fingerprint(_message.Message):
+    __slots__ = ("weights_sha256", "tokenizer_sha256", "proto_version", "pdserve_version")
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PROTO_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PDSERVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weights_sha256: str
+    tokenizer_sha256: str
+    proto_version: int
+    pdserve_version: str
+    def __init__(self, weights_sha256: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., proto_version: _Optional[int] = ..., pdserve_version: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker",)

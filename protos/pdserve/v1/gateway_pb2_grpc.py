@@ -44,21 +44,6 @@ class GatewayStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
-        self.RegisterWorker = channel.unary_unary(
-                '/pdserve.v1.Gateway/RegisterWorker',
-                request_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerResponse.FromString,
-                _registered_method=True)
-        self.Heartbeat = channel.unary_unary(
-                '/pdserve.v1.Gateway/Heartbeat',
-                request_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatResponse.FromString,
-                _registered_method=True)
-        self.Deregister = channel.unary_unary(
-                '/pdserve.v1.Gateway/Deregister',
-                request_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterResponse.FromString,
-                _registered_method=True)
 
 
 class GatewayServicer:
@@ -79,25 +64,6 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterWorker(self, request, context):
-        """Worker registry. Registering an already known worker_id replaces its entry.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Deregister(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,21 +76,6 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
-            ),
-            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterWorker,
-                    request_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerResponse.SerializeToString,
-            ),
-            'Heartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.Heartbeat,
-                    request_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatRequest.FromString,
-                    response_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatResponse.SerializeToString,
-            ),
-            'Deregister': grpc.unary_unary_rpc_method_handler(
-                    servicer.Deregister,
-                    request_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterRequest.FromString,
-                    response_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -191,6 +142,98 @@ class Gateway:
             metadata,
             _registered_method=True)
 
+
+class WorkerRegistryStub:
+    """Served on the gateway's registry listener only; every call carries the cluster
+    credential (UNAUTHENTICATED otherwise). A worker id is bound to the address it first
+    registered with until it deregisters or expires: registering it from another address is
+    PERMISSION_DENIED. A worker whose fingerprint differs from the gateway's is refused with
+    FAILED_PRECONDITION.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterWorker = channel.unary_unary(
+                '/pdserve.v1.WorkerRegistry/RegisterWorker',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/pdserve.v1.WorkerRegistry/Heartbeat',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/pdserve.v1.WorkerRegistry/Deregister',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerRegistryServicer:
+    """Served on the gateway's registry listener only; every call carries the cluster
+    credential (UNAUTHENTICATED otherwise). A worker id is bound to the address it first
+    registered with until it deregisters or expires: registering it from another address is
+    PERMISSION_DENIED. A worker whose fingerprint differs from the gateway's is refused with
+    FAILED_PRECONDITION.
+    """
+
+    def RegisterWorker(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerRegistryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.WorkerRegistry', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.WorkerRegistry', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerRegistry:
+    """Served on the gateway's registry listener only; every call carries the cluster
+    credential (UNAUTHENTICATED otherwise). A worker id is bound to the address it first
+    registered with until it deregisters or expires: registering it from another address is
+    PERMISSION_DENIED. A worker whose fingerprint differs from the gateway's is refused with
+    FAILED_PRECONDITION.
+    """
+
     @staticmethod
     def RegisterWorker(request,
             target,
@@ -205,7 +248,7 @@ class Gateway:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Gateway/RegisterWorker',
+            '/pdserve.v1.WorkerRegistry/RegisterWorker',
             protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_gateway__pb2.RegisterWorkerResponse.FromString,
             options,
@@ -232,7 +275,7 @@ class Gateway:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Gateway/Heartbeat',
+            '/pdserve.v1.WorkerRegistry/Heartbeat',
             protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_gateway__pb2.HeartbeatResponse.FromString,
             options,
@@ -259,7 +302,7 @@ class Gateway:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.Gateway/Deregister',
+            '/pdserve.v1.WorkerRegistry/Deregister',
             protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_gateway__pb2.DeregisterResponse.FromString,
             options,

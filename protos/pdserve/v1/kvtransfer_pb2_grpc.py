@@ -50,8 +50,10 @@ class KVTransferServicer:
         """One stream carries one reservation: KVChunk*, then one KVCommit (or a KVAbort).
         Errors: NOT_FOUND (unknown or expired reservation), INVALID_ARGUMENT (a malformed
         chunk or an incomplete commit; the message names the field), FAILED_PRECONDITION
-        (another stream already feeds this reservation), CANCELLED (the sender aborted).
-        On any error the reservation is aborted and its blocks are freed.
+        (another stream already feeds this reservation), CANCELLED (the sender aborted),
+        PERMISSION_DENIED (the call's `x-pdserve-reservation-secret` metadata is not the
+        reservation's secret from ReserveResponse; the reservation is left untouched).
+        On any other error the reservation is aborted and its blocks are freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
