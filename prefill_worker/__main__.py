@@ -1,4 +1,4 @@
-"""`python -m pdserve.prefill_worker`: run one decode-tier worker until SIGTERM."""
+"""`python -m pdserve.prefill_worker`: run one prefill-tier worker until SIGTERM."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from pdserve.prefill_worker.service import DEFAULT_MAX_QUEUE
 from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
 
 
@@ -19,6 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_args(p)
     p.add_argument("--max-chunk-bytes", type=int, default=1 << 20,
                    help="largest KV payload per transfer message (default 1 MiB)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help="Prefill calls queued or computing at once; more are refused at once "
+                        f"with RESOURCE_EXHAUSTED (the gateway tries another prefill worker; "
+                        f"default {DEFAULT_MAX_QUEUE}, 0 = no limit)")
     return p
 
 
@@ -28,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pdserve.prefill_worker.server import PrefillWorker
 
-    worker = PrefillWorker(worker_config_from_args(a), max_chunk_bytes=a.max_chunk_bytes)
+    worker = PrefillWorker(worker_config_from_args(a), max_chunk_bytes=a.max_chunk_bytes,
+                           max_queue=a.max_queue)
     asyncio.run(run_until_signal(worker.start, worker.stop))
     return 0
 
