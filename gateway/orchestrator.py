@@ -304,6 +304,11 @@ class Orchestrator:
                 return w, resp  # the caller leaves w when the request ends
             except grpc.aio.AioRpcError as e:
                 self._leave(w)
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # it may still reserve once it wakes: free that at once (its expiry
+                    # is the backstop should the Cancel overtake the Reserve)
+                    self.channels.cancel(w.address, request_id=req.request_id,
+                                         reason="gateway: Reserve timed out")
                 code, err = self._error(e, f"decode worker {w.address}")
                 if not _may_retry(code, work_started=False):
                     raise err from None
