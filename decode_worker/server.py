@@ -28,7 +28,8 @@ class DecodeWorker(WorkerBase):
             self.aengine, self.config.reservation_timeout_s,
             on_expired=lambda _: self.metrics.reservations_expired.inc())
         self.table.start()
-        self.service = DecodeService(self.aengine, self.table, self.metrics, self.stats)
+        self.service = DecodeService(self.aengine, self.table, self.metrics, self.stats,
+                                     keepalive_s=self.config.stream_keepalive_s)
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, server)
         self.kv_receiver = KVTransferService(self.table)
         self.kv_receiver.add_to_server(server)

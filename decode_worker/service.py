@@ -7,10 +7,15 @@
     Stats     -> load for the gateway's router
 
 A stream that ends early (client gone, cancelled) aborts its request, so blocks never leak.
+A stream with nothing to say for `keepalive_s` (waiting for KV, queued, a slow prefill)
+sends an empty TokenChunk, so the gateway can tell a quiet worker from a stalled one.
+Engine failures end a stream with INTERNAL and the reason; an engine stopped under it with
+UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -19,8 +24,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from pdserve.convert import FINISH_REASONS, kv_spec_to_proto, logprobs_to_proto, sampling_from_proto
+from pdserve.deadlines import STREAM_KEEPALIVE_S
 from pdserve.decode_worker.reservations import ReservationTable
-from pdserve.engine.async_engine import AsyncEngine, RequestError
+from pdserve.engine.async_engine import AsyncEngine, EngineFailed, RequestError
 from pdserve.engine.llm_engine import SeqDelta
 from pdserve.metrics import TierMetrics, TokenTimer
 from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -30,8 +36,10 @@ log = logging.getLogger("pdserve.decode")
 
 class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, aengine: AsyncEngine, table: ReservationTable, metrics: TierMetrics,
-                 stats: Callable[[], Awaitable[common_pb2.StatsResponse]]) -> None:
+                 stats: Callable[[], Awaitable[common_pb2.StatsResponse]],
+                 keepalive_s: float = STREAM_KEEPALIVE_S) -> None:
         self.aengine = aengine
+        self.keepalive_s = keepalive_s
         self.table = table
         self.metrics = metrics
         self._stats = stats
@@ -65,8 +73,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             async for chunk in self._stream(self.aengine.stream(request_id), timer, rid):
                 yield chunk
         except RequestError as e:
-            self.metrics.error("CANCELLED")
-            await context.abort(grpc.StatusCode.CANCELLED, str(e))
+            await self._engine_error(context, e)
         finally:
             # a stream that ends before KV committed frees the reservation
             self.table.release(rid, "decode stream closed before commit")
@@ -86,12 +93,46 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             async for chunk in self._stream(self.aengine.stream(request_id), timer, None):
                 yield chunk
         except RequestError as e:
-            self.metrics.error("UNAVAILABLE")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await self._engine_error(context, e)
+
+    async def _engine_error(self, context: grpc.aio.ServicerContext, e: RequestError) -> None:
+        code = (grpc.StatusCode.INTERNAL if isinstance(e, EngineFailed)
+                else grpc.StatusCode.UNAVAILABLE)
+        self.metrics.error(code.name)
+        await context.abort(code, str(e))
+
+    async def _with_keepalive(self, deltas: AsyncIterator[SeqDelta]
+                              ) -> AsyncIterator[SeqDelta | None]:
+        """The deltas, with a None whenever `keepalive_s` passes without one. The pending
+        read is never cancelled by the wait (that would abort the request)."""
+        it = aiter(deltas)
+        nxt: asyncio.Future | None = None
+        try:
+            while True:
+                if nxt is None:
+                    nxt = asyncio.ensure_future(anext(it))
+                done, _ = await asyncio.wait((nxt,), timeout=self.keepalive_s)
+                if not done:
+                    yield None
+                    continue
+                try:
+                    d = nxt.result()
+                except StopAsyncIteration:
+                    return
+                nxt = None
+                yield d
+        finally:
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+            await deltas.aclose()
 
     async def _stream(self, deltas: AsyncIterator[SeqDelta], timer: TokenTimer,
                       reservation_id: str | None) -> AsyncIterator[decode_pb2.TokenChunk]:
-        async for d in deltas:
+        async for d in self._with_keepalive(deltas):
+            if d is None:
+                yield decode_pb2.TokenChunk()  # keepalive: no tokens, not finished
+                continue
             timer.arrived(len(d.new_token_ids))
             chunk = decode_pb2.TokenChunk(
                 token_ids=d.new_token_ids,

@@ -65,6 +65,14 @@ def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentPa
                    help=f"on SIGTERM, seconds in-flight requests get to finish "
                         f"(default {_D.grace_s:g})")
     add_credential_args(p)
+    p.add_argument("--rpc-timeout", type=float, default=_D.rpc_timeout_s, metavar="S",
+                   help="deadline of every unary call to a worker (Reserve, Prefill, ...), "
+                        "or the request's own time left when shorter; a worker that does not "
+                        f"answer in time is passed over (default {_D.rpc_timeout_s:g})")
+    p.add_argument("--stream-idle-timeout", type=float, default=_D.stream_idle_s, metavar="S",
+                   help="a worker's token stream that shows nothing (no token, no keepalive) "
+                        f"for S seconds fails with 503 / UNAVAILABLE (default "
+                        f"{_D.stream_idle_s:g})")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     return p
 
@@ -77,7 +85,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         decode=tuple(filter(None, a.decode.split(","))), disagg_threshold=a.disagg_threshold,
         max_queue=a.max_queue, max_inflight=a.max_inflight,
         heartbeat_timeout_s=a.heartbeat_timeout, default_max_tokens=a.default_max_tokens,
-        grace_s=a.grace)
+        grace_s=a.grace, rpc_timeout_s=a.rpc_timeout, stream_idle_s=a.stream_idle_timeout)
 
 
 async def serve(config: GatewayConfig) -> None:

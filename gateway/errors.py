@@ -16,6 +16,7 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error")
     DEADLINE = (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error")
     CANCELLED = (grpc.StatusCode.CANCELLED, 499, "cancelled_error")
+    INTERNAL = (grpc.StatusCode.INTERNAL, 500, "server_error")  # an engine failed
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
@@ -66,6 +67,7 @@ _FROM_WORKER = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorKind.OVERLOADED,
     grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.DEADLINE,
     grpc.StatusCode.CANCELLED: ErrorKind.CANCELLED,
+    grpc.StatusCode.INTERNAL: ErrorKind.INTERNAL,
 }
 
 
@@ -74,6 +76,6 @@ def from_worker_status(code: grpc.StatusCode, details: str | None, who: str) -> 
     or a capacity/deadline matter means the worker could not serve it: UNAVAILABLE."""
     kind = _FROM_WORKER.get(code, ErrorKind.UNAVAILABLE)
     msg = details or code.name
-    if kind is ErrorKind.UNAVAILABLE:
+    if kind in (ErrorKind.UNAVAILABLE, ErrorKind.INTERNAL):
         msg = f"{who} failed ({code.name}): {msg}"
     return GatewayError(kind, msg, param_of(msg) if kind is ErrorKind.INVALID else None)

@@ -6,14 +6,20 @@
                         → P.Prefill(prompt, dest=D, reservation) ───▶ token stream from D
     → detokenize, apply stop strings → deltas to the client → finished | failed
 
-Decode workers are tried best first (router.py): a Reserve or colocated Generate refused
-with RESOURCE_EXHAUSTED or UNAVAILABLE moves on to the next one; when all refuse, the
-client gets RESOURCE_EXHAUSTED (or UNAVAILABLE). Prefill workers likewise on
-RESOURCE_EXHAUSTED. A failed Prefill cancels the reservation at D. Whenever the request
+Decode workers are tried best first (router.py), prefill workers likewise, under one retry
+policy (`_may_retry`): a worker that refused before doing any work (RESOURCE_EXHAUSTED, or
+UNAVAILABLE / no answer in time before anything started) is passed over for the next one;
+when all refuse, the client gets the last refusal. A failed Prefill cancels the reservation
+at D.
+
+Nothing waits without bound (pdserve.deadlines): every unary call runs under
+min(rpc timeout, the request's time left); a token stream that shows nothing — no token, no
+keepalive — for the stream idle timeout ends in UNAVAILABLE. An engine failure at a worker
+(INTERNAL) reaches the client as INTERNAL / HTTP 500 with its reason. Whenever the request
 ends before its stream does — stop string, client gone, deadline, error — D is told to
 Cancel it so its blocks free at once. Every request ends in a final delta or a
 `GatewayError` (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED,
-CANCELLED): the request runs in its own task under its deadline, so nothing hangs.
+CANCELLED, INTERNAL): the request runs in its own task under its deadline, so nothing hangs.
 Metrics are recorded here, where the request is seen end to end. Workers know a request by
 its `cluster_id`, minted by the gateway; the client's `request_id` never leaves it.
 """
@@ -30,6 +36,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S, DEFAULT_STREAM_IDLE_S, call_timeout
 from pdserve.gateway import router
 from pdserve.gateway.admission import AdmissionController, Overloaded
 from pdserve.gateway.channels import WorkerChannels
@@ -43,7 +50,14 @@ from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.gateway")
 
-_RETRY_ON = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+def _may_retry(code: grpc.StatusCode, work_started: bool) -> bool:
+    """The one retry policy: another worker may take the request when this one refused it
+    for capacity, or failed before any work for the request began (a prefill has begun its
+    work, the push into the reservation, as soon as it is sent)."""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+        code == grpc.StatusCode.UNAVAILABLE and not work_started)
 
 
 @dataclass
@@ -58,13 +72,16 @@ class _Trace:
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, channels: WorkerChannels,
                  admission: AdmissionController, metrics: TierMetrics, tokenizer: Any | None,
-                 disagg_threshold: int = 0) -> None:
+                 disagg_threshold: int = 0, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+                 stream_idle_s: float = DEFAULT_STREAM_IDLE_S) -> None:
         self.registry = registry
         self.channels = channels
         self.admission = admission
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.disagg_threshold = disagg_threshold
+        self.rpc_timeout_s = rpc_timeout_s
+        self.stream_idle_s = stream_idle_s
         self.inflight: dict[str, int] = {}  # worker_id -> this gateway's requests there
         self._tasks: set[asyncio.Task] = set()
 
@@ -119,8 +136,8 @@ class Orchestrator:
             raise
         except Exception as e:  # a bug: the client still gets an explicit status
             log.exception("request %s (cluster id %s) failed", req.request_id, req.cluster_id)
-            m.error(grpc.StatusCode.UNAVAILABLE.name)
-            emit(GatewayError(ErrorKind.UNAVAILABLE, f"internal error: {e}"))
+            m.error(grpc.StatusCode.INTERNAL.name)
+            emit(GatewayError(ErrorKind.INTERNAL, f"internal error: {e}"))
 
     async def _admit(self, req: GenerationRequest) -> None:
         try:
@@ -206,9 +223,37 @@ class Orchestrator:
 
     @staticmethod
     def _remaining(req: GenerationRequest) -> float | None:
+        """A token stream's deadline: none of its own (the idle bound watches it), only the
+        request's, a little late so that the request's own fires first with its message."""
         d = req.deadline
-        # a little after the request's own deadline, which fires first with a clear message
         return None if d is None else max(0.001, d - time.monotonic()) + 0.5
+
+    def _unary_timeout(self, req: GenerationRequest) -> float:
+        return call_timeout(self.rpc_timeout_s, req.deadline)
+
+    def _error(self, e: grpc.aio.AioRpcError, who: str) -> tuple[grpc.StatusCode, GatewayError]:
+        """A worker call's failure: its effective status and the client's error. Our own rpc
+        timeout firing (the request's deadline fires first, in `_run`) means the worker did
+        not answer: UNAVAILABLE, so the next worker may be tried."""
+        code = e.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return grpc.StatusCode.UNAVAILABLE, GatewayError(
+                ErrorKind.UNAVAILABLE, f"{who} did not answer within its deadline "
+                f"({self.rpc_timeout_s:g}s)")
+        return code, from_worker_status(code, e.details(), who)
+
+    async def _chunks(self, call, who: str) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """A token stream's messages under the liveness bound: each must arrive within
+        `stream_idle_s` of the last (keepalive chunks count), else UNAVAILABLE."""
+        while True:
+            try:
+                ch = await asyncio.wait_for(call.read(), self.stream_idle_s)
+            except TimeoutError:
+                raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} sent nothing for "
+                                   f"{self.stream_idle_s:g}s (stalled?)") from None
+            if ch is grpc.aio.EOF:
+                return
+            yield ch
 
     async def _colocated(self, req: GenerationRequest, decodes: list[Worker]
                          ) -> AsyncIterator[decode_pb2.TokenChunk]:
@@ -220,19 +265,19 @@ class Orchestrator:
             call = self.channels.get(w.address).decode.Generate(
                 msg, timeout=self._remaining(req))
             self._enter(w)
+            who = f"decode worker {w.address}"
             started = finished = False
             try:
-                async for ch in call:
-                    started = True
+                async for ch in self._chunks(call, who):
+                    started = started or bool(ch.token_ids)
                     finished = bool(ch.finish_reason)
                     yield ch
                     if finished:
                         return
-                raise GatewayError(ErrorKind.UNAVAILABLE,
-                                   f"decode worker {w.address} ended the stream unfinished")
+                raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} ended the stream unfinished")
             except grpc.aio.AioRpcError as e:
-                err = from_worker_status(e.code(), e.details(), f"decode worker {w.address}")
-                if started or e.code() not in _RETRY_ON:
+                code, err = self._error(e, who)
+                if not _may_retry(code, started):
                     raise err from None
                 last = err
             finally:
@@ -256,12 +301,17 @@ class Orchestrator:
             self._enter(w)
             try:
                 resp = await self.channels.get(w.address).decode.Reserve(
-                    msg, timeout=self._remaining(req))
+                    msg, timeout=self._unary_timeout(req))
                 return w, resp  # the caller leaves w when the request ends
             except grpc.aio.AioRpcError as e:
                 self._leave(w)
-                err = from_worker_status(e.code(), e.details(), f"decode worker {w.address}")
-                if e.code() not in _RETRY_ON:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # it may still reserve once it wakes: free that at once (its expiry
+                    # is the backstop should the Cancel overtake the Reserve)
+                    self.channels.cancel(w.address, request_id=req.request_id,
+                                         reason="gateway: Reserve timed out")
+                code, err = self._error(e, f"decode worker {w.address}")
+                if not _may_retry(code, work_started=False):
                     raise err from None
                 last = err
             except BaseException:
@@ -282,11 +332,13 @@ class Orchestrator:
         for p in router.rank_prefill(prefills, req.prompt_token_ids, self.inflight):
             self._enter(p)
             try:
+                # its deadline also bounds how long the prompt may queue there: the worker
+                # drops it unprefilled once the call is gone, before the reservation expires
                 return await self.channels.get(p.address).prefill.Prefill(
-                    msg, timeout=self._remaining(req))
+                    msg, timeout=self._unary_timeout(req))
             except grpc.aio.AioRpcError as e:
-                err = from_worker_status(e.code(), e.details(), f"prefill worker {p.address}")
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                code, err = self._error(e, f"prefill worker {p.address}")
+                if not _may_retry(code, work_started=True):
                     raise err from None
                 last = err
             finally:
@@ -305,7 +357,7 @@ class Orchestrator:
                 decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
                 timeout=self._remaining(req))
             trace.prefill = await self._prefill(req, d, resv, prefills)
-            async for ch in call:
+            async for ch in self._chunks(call, f"decode worker {d.address}"):
                 finished = bool(ch.finish_reason)
                 yield ch
                 if finished:
@@ -313,8 +365,7 @@ class Orchestrator:
             raise GatewayError(ErrorKind.UNAVAILABLE,
                                f"decode worker {d.address} ended the stream unfinished")
         except grpc.aio.AioRpcError as e:
-            raise from_worker_status(e.code(), e.details(),
-                                     f"decode worker {d.address}") from None
+            raise self._error(e, f"decode worker {d.address}")[1] from None
         finally:
             self._leave(d)
             if not finished:

@@ -4,7 +4,10 @@ health, cluster credential required), plus two housekeeping tasks — expiring s
 workers and polling the Stats of static ones.
 
 Life cycle: `start()` binds the ports with health NOT_SERVING, loads the tokenizer and
-config (never weights) and fingerprints the model, then turns SERVING; `stop()` turns
+config (never weights) and fingerprints the model, then serves; health (gRPC and HTTP
+`/health`) says SERVING only while a request can be routed (`ready`): at least one live
+decode worker, and a live prefill worker when static prefill workers are configured
+(registered ones are optional: without any, prompts run colocated); `stop()` turns
 NOT_SERVING, stops taking requests, lets in-flight ones finish within the grace period,
 and closes the channels.
 """
@@ -25,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve import fingerprint, rpc
 from pdserve.cluster_auth import ClusterCredentials
+from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S, DEFAULT_STREAM_IDLE_S
 from pdserve.engine.model_loader import load_config, load_tokenizer, resolve_model
 from pdserve.gateway.admission import AdmissionController
 from pdserve.gateway.channels import WorkerChannels
@@ -61,6 +65,8 @@ class GatewayConfig:
     default_max_tokens: int = 256
     grace_s: float = 5.0
     credentials: ClusterCredentials = ClusterCredentials()
+    rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S  # every unary call to a worker
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a token stream silent this long: UNAVAILABLE
 
     def __post_init__(self) -> None:
         for name in ("disagg_threshold", "max_queue"):
@@ -68,8 +74,9 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
-        if self.heartbeat_timeout_s <= 0:
-            raise ValueError("heartbeat_timeout_s must be > 0")
+        for name in ("heartbeat_timeout_s", "rpc_timeout_s", "stream_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if self.registry_port is None:
@@ -96,6 +103,7 @@ class Gateway:
         self.prompts: PromptProcessor | None = None
         self.orchestrator: Orchestrator | None = None
         self._serving = False
+        self._health_status: int | None = None
         self._server: grpc.aio.Server | None = None
         self._registry_server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -119,6 +127,12 @@ class Gateway:
     def serving(self) -> bool:
         return self._serving
 
+    def ready(self) -> bool:
+        """A request sent now would be routed: started, not stopping, a live decode worker,
+        and a live prefill worker when static ones are configured."""
+        return (self._serving and bool(self.registry.alive(Role.DECODE))
+                and (not self.config.prefill or bool(self.registry.alive(Role.PREFILL))))
+
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
@@ -141,7 +155,8 @@ class Gateway:
         self.prompts = PromptProcessor(cfg.model, tokenizer, max_ctx,
                                        int(hf_config.vocab_size), cfg.default_max_tokens)
         self.orchestrator = Orchestrator(self.registry, self.channels, self.admission,
-                                         self.metrics, tokenizer, cfg.disagg_threshold)
+                                         self.metrics, tokenizer, cfg.disagg_threshold,
+                                         cfg.rpc_timeout_s, cfg.stream_idle_s)
         servicer = GatewayServicer(self.prompts, self.orchestrator, self.registry)
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self._server)
         reflection.enable_server_reflection(
@@ -154,7 +169,7 @@ class Gateway:
         await self._registry_server.start()
 
         http = OpenAIServer(self.prompts, self.orchestrator, self.registry, self.metrics,
-                            lambda: self._serving)
+                            self.ready)
         self._runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None,
                                      shutdown_timeout=cfg.grace_s)
         await self._runner.setup()
@@ -169,10 +184,11 @@ class Gateway:
         for addr in cfg.decode:
             self.registry.add_static(Role.DECODE, addr)
         await self._poll_static_once()
-        self._tasks = [asyncio.create_task(self._sweep_loop()),
-                       asyncio.create_task(self._poll_loop())]
         self._serving = True
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._tasks = [asyncio.create_task(self._sweep_loop()),
+                       asyncio.create_task(self._poll_loop()),
+                       asyncio.create_task(self._readiness_loop())]
+        await self._update_health()
         log.info("gateway %s serving %s: gRPC %s, HTTP %s, registry %s (%s; pid %d)",
                  self.gateway_id, cfg.model, self.grpc_address, self.http_url,
                  self.registry_address, _describe(cfg.credentials), os.getpid())
@@ -196,7 +212,20 @@ class Gateway:
         await self.channels.close_all()
         log.info("gateway %s stopped", self.gateway_id)
 
+    async def _readiness_loop(self) -> None:
+        # workers come and go by registration, heartbeat silence and polling: follow them
+        while True:
+            await asyncio.sleep(0.1)
+            await self._update_health()
+
+    async def _update_health(self) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if self.ready()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if status != self._health_status:
+            await self._set_health(status)
+
     async def _set_health(self, status: int) -> None:
+        self._health_status = status
         await self.health.set("", status)
         await self.health.set(GATEWAY_SERVICE, status)
 

@@ -14,10 +14,16 @@ chunk i+1 overlaps the receiver's work on chunk i. A separate encoder thread wor
 further ahead was tried and measured: no gain on loopback, and more CPU on the sender's
 core from the extra thread switches. Messages of `max_chunk_bytes` payload must fit the
 receiving server's `grpc.max_receive_message_length` (4 MiB by default).
+
+Nothing waits without bound: the whole push (open to ack) runs under the transport's
+deadline, `commit_async` awaits the ack through the call's done-callback (no thread is held
+while a receiver hangs), and `abort` only enqueues the abort message and arms a timer that
+cancels the call if the receiver does not end it within `abort_wait_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -128,22 +134,54 @@ class GrpcKVPushStream(KVPushStream):
         self._queue.put(_Layer(layer, [int(i) for i in block_indices], k_blocks, v_blocks,
                                wait))
 
-    def commit(self, info: KVCommitInfo, timeout_s: float | None = None) -> PushResult:
+    def _send_commit(self, info: KVCommitInfo) -> None:
         if self._closed:
             raise RuntimeError(f"commit after commit/abort of {self.reservation_id}")
         self._closed = True
         self._queue.put(info)
         self._queue.put(_END)
+
+    def _no_ack(self, timeout_s: float | None) -> KVTransferError:
+        self._future.cancel()
+        return KVTransferError(
+            f"KV push of {self.reservation_id} to {self.dest_address}: no ack within "
+            f"{timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def commit(self, info: KVCommitInfo, timeout_s: float | None = None) -> PushResult:
+        self._send_commit(info)
         try:
             ack = self._future.result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            self._future.cancel()
-            raise KVTransferError(
-                f"KV push of {self.reservation_id} to {self.dest_address}: no ack within "
-                f"{timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED,
-            ) from None
+            raise self._no_ack(timeout_s) from None
         except grpc.RpcError as e:
             raise self._error(e) from e
+        return self._result(ack)
+
+    async def commit_async(self, info: KVCommitInfo, timeout_s: float) -> PushResult:
+        self._send_commit(info)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake(_) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        self._future.add_done_callback(wake)  # runs at once when already done
+        try:
+            await asyncio.wait_for(done, timeout_s)
+        except TimeoutError:
+            raise self._no_ack(timeout_s) from None
+        except asyncio.CancelledError:
+            self._future.cancel()  # the Prefill call went away: so does the push
+            raise
+        try:
+            ack = self._future.result(timeout=0)
+        except grpc.RpcError as e:
+            raise self._error(e) from e
+        except grpc.FutureCancelledError:
+            raise KVTransferError(f"KV push of {self.reservation_id} to {self.dest_address} "
+                                  "was cancelled", grpc.StatusCode.CANCELLED) from None
+        return self._result(ack)
+
+    def _result(self, ack: kvtransfer_pb2.PushAck) -> PushResult:
         return PushResult(
             reservation_id=ack.reservation_id,
             num_chunks=self._num_chunks,
@@ -161,12 +199,12 @@ class GrpcKVPushStream(KVPushStream):
         self._queue.put(kvtransfer_pb2.KVAbort(reservation_id=self.reservation_id,
                                                reason=reason))
         self._queue.put(_END)
-        try:
-            self._future.result(timeout=self._abort_wait_s)
-        except grpc.FutureTimeoutError:
-            self._future.cancel()  # the receiver frees the reservation on cancellation too
-        except grpc.RpcError:
-            pass  # CANCELLED is the expected answer to KVAbort
+        # the receiver answers KVAbort with CANCELLED; one that does not within abort_wait_s
+        # has the call cancelled under it, which frees the reservation there too
+        timer = threading.Timer(self._abort_wait_s, self._future.cancel)
+        timer.daemon = True
+        timer.start()
+        self._future.add_done_callback(lambda _: timer.cancel())
 
     @property
     def failed(self) -> bool:

@@ -3,6 +3,7 @@
     stream = transport.open(dest_address, reservation_id, spec, secret)
     for each layer, right after its forward:   stream.push_layer(layer, idx, k, v)  # no wait
     on success:                                result = stream.commit(info)      # waits for ack
+      (from asyncio:                           result = await stream.commit_async(info, t))
     on failure or cancellation:                stream.abort(reason)
 
 gRPC streaming (`pdserve.kvtransfer.grpc_sender`) is the default implementation; same-host shared
@@ -11,6 +12,7 @@ memory or RDMA transports implement the same two classes.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,10 +68,17 @@ class KVPushStream(ABC):
         chunk, the commit, or could not be reached.
         """
 
+    async def commit_async(self, info: KVCommitInfo, timeout_s: float) -> PushResult:
+        """`commit` for an event loop: waits at most timeout_s (then KVTransferError
+        DEADLINE_EXCEEDED). This default spends a thread on the wait; transports that can
+        be awaited directly override it."""
+        return await asyncio.to_thread(self.commit, info, timeout_s)
+
     @abstractmethod
     def abort(self, reason: str) -> None:
         """Drops what is still queued and tells the receiver to free the reservation.
-        Never raises; a no-op after commit or a previous abort."""
+        Never raises and never blocks (it is called on event loops); a no-op after commit or
+        a previous abort."""
 
     @property
     @abstractmethod

@@ -1,5 +1,7 @@
 """`pdserve up`: a whole cluster on this machine (gateway, prefill and decode workers as
-child processes) until Ctrl-C or SIGTERM. The supervision itself is `pdserve.cluster`."""
+child processes) until Ctrl-C or SIGTERM. A child that exits is restarted with backoff; the
+cluster stops only on a signal or when a child keeps dying. The supervision itself is
+`pdserve.cluster`."""
 
 from __future__ import annotations
 
@@ -45,8 +47,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "up", help="run a gateway, prefill and decode workers on this machine",
         description="Start the gateway and the workers as local processes (all on 127.0.0.1), "
-                    "wait until every one is healthy, print the endpoints, and stop them all "
-                    "on Ctrl-C or SIGTERM. Engine flags go to every worker.")
+                    "wait until every one is healthy (the gateway only once it can route a "
+                    "request), print the endpoints, restart any that exits (with backoff; "
+                    "one that keeps dying stops the cluster), and stop them all on Ctrl-C or "
+                    "SIGTERM. Engine flags go to every worker.")
     p.add_argument("--prefill", type=_nonneg_int, default=1, metavar="N",
                    help="prefill workers (default 1; 0 = no prefill tier)")
     p.add_argument("--decode", type=_nonneg_int, default=1, metavar="M",
@@ -153,13 +157,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
         print(format_endpoints(endpoints, a.model, str(cluster.log_dir)), flush=True)
         while True:
             time.sleep(1.0)
-            failed = cluster.failed()
-            if failed is not None:
-                name, code, log = failed
-                print(f"pdserve up: {name} exited with code {code}; last lines of "
-                      f"{cluster.log_path(name)}:\n{log}", file=sys.stderr)
-                rc = 1
-                break
+            cluster.supervise(lambda line: print(f"pdserve up: {line}", file=sys.stderr,
+                                                 flush=True))
     except (ClusterError, ValueError) as e:
         progress.done()
         print(f"pdserve up: {e}", file=sys.stderr)

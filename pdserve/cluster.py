@@ -11,7 +11,12 @@ Life cycle of a `LocalCluster`:
    service "") until all are SERVING, the gateway's HTTP `/health` answers 200 and the
    gateway lists every worker (`ListModels`, when it implements it). A child that exits
    meanwhile fails it at once with `ClusterError`, carrying the tail of the child's log.
-3. `stop(grace)` sends SIGTERM to every child's process group, waits up to `grace`
+3. `supervise()` (called every second or so by `pdserve up`) restarts a child that exited,
+   on the same command line and ports, after a backoff that doubles with each restart of
+   that child (1 s up to 30 s); `restarts` counts them. A child that dies
+   `MAX_RESTARTS` times within `RESTART_WINDOW_S` raises `ClusterError` with its log tail:
+   it will not come up by itself.
+4. `stop(grace)` sends SIGTERM to every child's process group, waits up to `grace`
    seconds, then SIGKILLs whatever group is left. It is idempotent and also runs at
    interpreter exit; children started from the main thread additionally get SIGTERM
    from the kernel if this process dies without stopping them (PR_SET_PDEATHSIG).
@@ -49,6 +54,10 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 TIERS = ("gateway", "prefill", "decode")
+MAX_RESTARTS = 5  # of one child within RESTART_WINDOW_S: then the cluster gives up
+RESTART_WINDOW_S = 60.0
+BACKOFF_BASE_S = 1.0  # the first restart's delay; doubles with each further one
+MAX_BACKOFF_S = 30.0
 MODULES = {"gateway": "pdserve.gateway", "prefill": "pdserve.prefill_worker",
            "decode": "pdserve.decode_worker"}
 
@@ -128,6 +137,8 @@ class _Child:
     cpus: tuple[int, ...] | None
     proc: subprocess.Popen | None = None
     healthy: bool = False
+    deaths: list[float] = field(default_factory=list)  # monotonic times it was found dead
+    restart_at: float | None = None  # when a dead child is due to be started again
 
 
 @dataclass(frozen=True)
@@ -234,7 +245,10 @@ def assign_cpus(spec: str, num_prefill: int, num_decode: int,
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """True when a server could listen on host:port now. SO_REUSEADDR, as the servers set
+    it: sockets of a stopped cluster lingering in TIME_WAIT do not count as in use."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -301,6 +315,9 @@ class LocalCluster:
         self.kill_now = threading.Event()  # set it to cut stop()'s grace period short
         self.cluster_token = (cfg.cluster_token or dict(cfg.env).get(TOKEN_ENV)
                               or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32))
+        self.restarts = 0  # children restarted by supervise()
+        self._env: dict[str, str] = {}
+        self._prctl: Callable[..., int] | None = None
 
     # -- planning
 
@@ -366,6 +383,7 @@ class LocalCluster:
                TOKEN_ENV: self.cluster_token}
         # PDEATHSIG fires when the *thread* that forked dies: only safe from the main thread
         prctl = _resolve_prctl() if threading.current_thread() is threading.main_thread() else None
+        self._env, self._prctl = env, prctl
         atexit.register(self.stop)
         try:
             for ch in children:
@@ -421,6 +439,39 @@ class LocalCluster:
             if ch.proc is not None and ch.proc.poll() is not None:
                 return ch.name, ch.proc.returncode, tail(ch.log_path)
         return None
+
+    def supervise(self, log: Callable[[str], None] = lambda line: None) -> None:
+        """Restart children that exited (see the module docstring); call it periodically.
+        Raises ClusterError when a child keeps dying."""
+        now = time.monotonic()
+        for ch in self._children:
+            if self._stopped or ch.proc is None:
+                continue
+            if ch.restart_at is None:
+                if ch.proc.poll() is None:
+                    continue
+                ch.deaths = [t for t in ch.deaths if now - t <= RESTART_WINDOW_S] + [now]
+                rc = ch.proc.returncode
+                if len(ch.deaths) > MAX_RESTARTS:
+                    raise ClusterError(
+                        f"{ch.name} exited {len(ch.deaths)} times within "
+                        f"{RESTART_WINDOW_S:.0f}s (last code {rc}); giving up. Last lines of "
+                        f"{ch.log_path}:\n{tail(ch.log_path)}")
+                backoff = min(MAX_BACKOFF_S, BACKOFF_BASE_S * 2.0 ** (len(ch.deaths) - 1))
+                ch.restart_at = now + backoff
+                ch.healthy = False
+                log(f"{ch.name} exited with code {rc}; restarting in {backoff:.1f}s "
+                    f"(restart {len(ch.deaths)} of at most {MAX_RESTARTS} in "
+                    f"{RESTART_WINDOW_S:.0f}s)")
+            elif now >= ch.restart_at:
+                _killpg(ch.proc.pid, signal.SIGKILL)  # what it left behind
+                ch.restart_at = None
+                with self._lock:
+                    if self._stopped:
+                        return
+                    ch.proc = self._spawn(ch, self._env, self._prctl)
+                self.restarts += 1
+                log(f"{ch.name} restarted (pid {ch.proc.pid}); {self.restarts} restart(s) so far")
 
     def _raise_if_failed(self) -> None:
         f = self.failed()

@@ -1,10 +1,13 @@
 """What every worker process shares: its command-line flags, a grpc.aio server with the
 health and reflection services, the `/metrics` HTTP endpoint, registration and heartbeats
 to every gateway's registry it is given (one independent registration each: gateways share
-nothing), and the SIGTERM -> NOT_SERVING -> graceful stop sequence.
+nothing), and the SIGTERM -> NOT_SERVING -> drain -> stop sequence.
 
-Health is NOT_SERVING until the model is loaded and the servicers are added. Every RPC but
-health needs the cluster credential (`pdserve.cluster_auth`), and the server and the
+Health is NOT_SERVING until the model is loaded and the servicers are added, and again
+while the engine is failed (its last step raised): the worker then deregisters, so the
+gateway stops routing to it, and probes the engine with a one-token request every few
+seconds; the first probe that succeeds turns it SERVING and it registers again. Every RPC
+but health needs the cluster credential (`pdserve.cluster_auth`), and the server and the
 registration channel come from `pdserve.rpc`, whose keepalive settings agree.
 """
 
@@ -15,6 +18,7 @@ import asyncio
 import logging
 import signal
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,14 +32,18 @@ from pdserve import fingerprint, rpc
 from pdserve.addresses import addresses
 from pdserve.cluster_auth import ClusterCredentials, add_credential_args, credentials_from_args
 from pdserve.convert import kv_spec_to_proto
-from pdserve.engine.async_engine import AsyncEngine
+from pdserve.deadlines import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S, STREAM_KEEPALIVE_S
+from pdserve.engine.async_engine import AsyncEngine, RequestError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")
+
+PROBE_INTERVAL_S = 2.0  # a failed engine is probed this often
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ class WorkerConfig:
     heartbeat_interval_s: float = 1.0
     reservation_timeout_s: float = 30.0  # decode: uncommitted reservations expire
     credentials: ClusterCredentials = ClusterCredentials()
+    rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S  # outgoing calls: KV pushes, registration
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: in-flight work gets this long
+    stream_keepalive_s: float = STREAM_KEEPALIVE_S  # decode: empty chunk after this silence
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +79,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heartbeat-interval", type=float, default=1.0,
                    help="seconds between heartbeats to the gateway (default 1)")
     add_credential_args(p)
+    g.add_argument("--rpc-timeout", type=float, default=DEFAULT_RPC_TIMEOUT_S, metavar="S",
+                   help="deadline of this worker's own calls: a KV push from open to ack, "
+                        f"registration (default {DEFAULT_RPC_TIMEOUT_S:g})")
+    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+                   help="on SIGTERM: NOT_SERVING, deregister, then let in-flight requests "
+                        "finish for up to S seconds before stopping (default "
+                        f"{DEFAULT_DRAIN_TIMEOUT_S:g}: the manifests' "
+                        "terminationGracePeriodSeconds 60 minus a margin)")
+    g.add_argument("--stream-keepalive", type=float, default=STREAM_KEEPALIVE_S, metavar="S",
+                   help="decode: a token stream silent for S seconds sends an empty chunk, "
+                        f"so the gateway knows it is alive (default {STREAM_KEEPALIVE_S:g})")
     add_engine_args(p)
 
 
@@ -77,7 +99,9 @@ def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
                         metrics_port=a.metrics_port,
                         gateways=tuple(addresses(a.gateway, "--gateway")), worker_id=a.worker_id,
                         advertise_address=a.advertise_address,
-                        heartbeat_interval_s=a.heartbeat_interval,
+                        heartbeat_interval_s=a.heartbeat_interval, rpc_timeout_s=a.rpc_timeout,
+                        drain_timeout_s=a.drain_timeout,
+                        stream_keepalive_s=a.stream_keepalive,
                         credentials=credentials_from_args(a), **extra)
 
 
@@ -182,8 +206,10 @@ class GatewayRegistration:
 
     def __init__(self, gateway: str, info: Callable[[], gateway_pb2.WorkerInfo],
                  load: Callable[[], common_pb2.WorkerLoad], interval_s: float,
-                 credentials: ClusterCredentials = ClusterCredentials()) -> None:
+                 credentials: ClusterCredentials = ClusterCredentials(),
+                 serving: Callable[[], bool] = lambda: True) -> None:
         self.gateway = gateway
+        self.serving = serving  # False: deregister and stay away until it is True again
         self.info = info
         self.load = load
         self.interval_s = interval_s
@@ -200,7 +226,13 @@ class GatewayRegistration:
         known = False
         while True:
             try:
-                if not known:
+                if not self.serving():
+                    if known:
+                        await self._stub.Deregister(gateway_pb2.DeregisterRequest(
+                            worker_id=self.info().worker_id), timeout=5)
+                        log.warning("not serving: deregistered from gateway %s", self.gateway)
+                    known = False
+                elif not known:
                     resp = await self._stub.RegisterWorker(
                         gateway_pb2.RegisterWorkerRequest(worker=self.info()), timeout=5)
                     if resp.heartbeat_interval_s > 0:
@@ -265,7 +297,9 @@ class WorkerBase:
 
         start(): bind gRPC (health NOT_SERVING) -> load model -> engine thread
                  -> tier servicers -> /metrics -> SERVING -> register + heartbeat (each gateway)
-        stop():  NOT_SERVING -> deregister -> grpc stop(grace) -> engine thread stops
+        stop():  NOT_SERVING -> deregister -> drain (in-flight work finishes, up to
+                 drain_timeout_s; KV pushes for reservations made still arrive) ->
+                 grpc stop -> engine thread stops
     """
 
     role = ""  # "prefill" | "decode"
@@ -282,6 +316,9 @@ class WorkerBase:
         self.metrics_server: MetricsServer | None = None
         self.registrations: list[GatewayRegistration] = []
         self.aengine: AsyncEngine | None = None
+        self._stopping = False
+        self._engine_ok = True  # False from a failed step until a probe succeeds
+        self._probe_task: asyncio.Task | None = None
 
     @property
     def metrics_port(self) -> int | None:
@@ -304,9 +341,12 @@ class WorkerBase:
             self.metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
             await self.metrics_server.start(cfg.host, cfg.metrics_port)
         await self.grpc.set_serving(True)
-        self.registrations = [GatewayRegistration(gw, self.worker_info, self.load,
-                                                  cfg.heartbeat_interval_s, cfg.credentials)
-                              for gw in cfg.gateways]
+        self._probe_task = asyncio.get_running_loop().create_task(self._watch_engine())
+        self.registrations = [
+            GatewayRegistration(gw, self.worker_info, self.load, cfg.heartbeat_interval_s,
+                                cfg.credentials,
+                                serving=lambda: self._engine_ok and not self._stopping)
+            for gw in cfg.gateways]
         for r in self.registrations:
             r.start()
         log.info("%s worker %s serving on %s", self.role, self.worker_id, self.address)
@@ -316,13 +356,64 @@ class WorkerBase:
         functions do."""
         raise NotImplementedError
 
-    async def stop(self, grace: float = 2.0) -> None:
+    # -- engine health --------------------------------------------------------------------
+    async def _watch_engine(self) -> None:
+        """NOT_SERVING while the engine is failed; a failed engine is probed until a step
+        succeeds again (nothing else would run one: the gateway routes nothing to it)."""
+        n = 0
+        while True:
+            await asyncio.sleep(0.2)
+            failure = self.aengine.failure
+            if failure is not None and self._engine_ok:
+                log.error("engine failed, NOT_SERVING until it recovers: %s", failure)
+                self._engine_ok = False
+                await self.grpc.set_serving(False)
+            if self._engine_ok or self._stopping:
+                continue
+            n += 1
+            try:
+                async for _ in self.aengine.generate(f"health-probe-{self.worker_id}-{n}", [1],
+                                                     SamplingParams(max_tokens=1)):
+                    pass
+            except RequestError:
+                await asyncio.sleep(PROBE_INTERVAL_S)
+                continue
+            if self.aengine.failure is None and not self._stopping:
+                log.info("engine recovered: SERVING")
+                self._engine_ok = True
+                await self.grpc.set_serving(True)
+
+    @property
+    def engine_ok(self) -> bool:
+        return self._engine_ok
+
+    # -- stop -----------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """Work in flight: requests in the engine (running, queued, reserved)."""
+        s = self.aengine.stats()
+        return bool(s.running or s.waiting or s.reserved)
+
+    async def drain(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while self.busy() and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        if self.busy():
+            log.warning("drain: work still in flight after %.0fs; stopping anyway", timeout_s)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """grace: how long in-flight work may take (default: the config's drain timeout)."""
+        grace = self.config.drain_timeout_s if grace is None else grace
+        self._stopping = True
+        if self._probe_task is not None:
+            self._probe_task.cancel()
         if self.grpc is not None:
             await self.grpc.set_serving(False)
         # in parallel: an unreachable gateway's Deregister timeout delays none of the others
         await asyncio.gather(*(r.stop() for r in self.registrations))
+        if self.aengine is not None and grace > 0:
+            await self.drain(grace)
         if self.grpc is not None:
-            await self.grpc.stop(grace)
+            await self.grpc.stop(min(grace, 2.0))
         await self.stop_tier()
         if self.aengine is not None:
             await self.aengine.stop()

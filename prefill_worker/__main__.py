@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 
+from pdserve.prefill_worker.service import DEFAULT_MAX_QUEUE
 from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
 
 DESCRIPTION = ("A pdserve prefill worker: batches prompts (chunked, prefix-cached), samples "
@@ -20,6 +21,10 @@ def build_parser(prog: str = "python -m pdserve.prefill_worker") -> argparse.Arg
     add_worker_args(p)
     p.add_argument("--max-chunk-bytes", type=int, default=1 << 20,
                    help="largest KV payload per transfer message (default 1 MiB)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help="Prefill calls queued or computing at once; more are refused at once "
+                        f"with RESOURCE_EXHAUSTED (the gateway tries another prefill worker; "
+                        f"default {DEFAULT_MAX_QUEUE}, 0 = no limit)")
     return p
 
 
@@ -32,7 +37,7 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"prefill worker: {e}", file=sys.stderr)
         return 2
-    worker = PrefillWorker(config, max_chunk_bytes=a.max_chunk_bytes)
+    worker = PrefillWorker(config, max_chunk_bytes=a.max_chunk_bytes, max_queue=a.max_queue)
     asyncio.run(run_until_signal(worker.start, worker.stop))
     return 0
 

@@ -6,7 +6,7 @@ from the engine's stats (life cycle in `pdserve.worker_runtime.WorkerBase`)."""
 from __future__ import annotations
 
 from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
-from pdserve.prefill_worker.service import PrefillService
+from pdserve.prefill_worker.service import DEFAULT_MAX_QUEUE, PrefillService
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker_runtime import WorkerBase, WorkerConfig
 
@@ -19,20 +19,27 @@ class PrefillWorker(WorkerBase):
     service_names = (prefill_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name,)
     max_prefix_hashes = MAX_REPORTED_HASHES
 
-    def __init__(self, config: WorkerConfig, engine=None, max_chunk_bytes: int = 1 << 20
-                 ) -> None:
+    def __init__(self, config: WorkerConfig, engine=None, max_chunk_bytes: int = 1 << 20,
+                 max_queue: int = DEFAULT_MAX_QUEUE) -> None:
         super().__init__(config, engine)
         self.max_chunk_bytes = max_chunk_bytes
+        self.max_queue = max_queue
 
     def add_services(self, server) -> None:
         self.transport = GrpcKVTransport(max_chunk_bytes=self.max_chunk_bytes,
-                                         credentials=self.config.credentials)
-        self.service = PrefillService(self.aengine, self.transport, self.metrics, self.stats)
+                                         credentials=self.config.credentials,
+                                         timeout_s=self.config.rpc_timeout_s)
+        self.service = PrefillService(self.aengine, self.transport, self.metrics, self.stats,
+                                      max_queue=self.max_queue,
+                                      commit_timeout_s=self.config.rpc_timeout_s)
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(self.service, server)
 
     async def stop_tier(self) -> None:
         if hasattr(self, "transport"):
             self.transport.close()
+
+    def busy(self) -> bool:
+        return super().busy() or bool(self.service.in_flight)
 
     def load(self) -> common_pb2.WorkerLoad:
         load = super().load()

@@ -1,18 +1,25 @@
 """The PrefillWorker gRPC servicer.
 
 Life of one Prefill call:
-    validate (layout matches the decode worker's, reservation covers the prompt)
+    shed (RESOURCE_EXHAUSTED at once when `max_queue` calls are already here)
+    -> validate (layout matches the decode worker's, reservation covers the prompt)
     -> open a KV push stream to the decode worker's reservation
     -> the engine batches the prompt with others (chunked, prefix-cached); in its last
        chunk the engine's KV connector saves KV layer by layer into the stream
        (StreamSaver) and the first token is sampled
-    -> commit the transfer with the first token; reply with it and the timing split
-Any failure aborts the transfer, which frees the reservation at the decode worker.
+    -> commit the transfer with the first token (awaited on the event loop, bounded by
+       `commit_timeout_s`: no thread waits on a hung receiver); reply with it and the timing
+Any failure aborts the transfer, which frees the reservation at the decode worker; the abort
+never blocks the event loop.
+
+The call's deadline, which the gateway sets before the reservation would expire, is the
+reservation's liveness: a call already past it is refused before any work, and one whose
+deadline passes while its prompt is queued is cancelled, which drops the prompt unprefilled.
+An engine failure is INTERNAL with its reason.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -26,7 +33,8 @@ from pdserve.convert import (
     logprobs_to_proto,
     sampling_from_proto,
 )
-from pdserve.engine.async_engine import AsyncEngine, RequestError
+from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S
+from pdserve.engine.async_engine import AsyncEngine, EngineFailed, RequestError
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVTransferError, KVTransport
 from pdserve.metrics import TierMetrics
@@ -35,11 +43,16 @@ from pdserve.protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
 
+DEFAULT_MAX_QUEUE = 64
+
 
 class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, aengine: AsyncEngine, transport: KVTransport, metrics: TierMetrics,
-                 stats) -> None:
+                 stats, max_queue: int = DEFAULT_MAX_QUEUE,
+                 commit_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
         self.aengine = aengine
+        self.max_queue = max_queue  # 0: no limit
+        self.commit_timeout_s = commit_timeout_s
         self.transport = transport
         self.metrics = metrics
         self._stats = stats
@@ -48,6 +61,13 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         t0 = time.monotonic()
+        if self.max_queue and self.in_flight >= self.max_queue:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"prefill queue full ({self.in_flight} of {self.max_queue})")
+        left = context.time_remaining()
+        if left is not None and left <= 0:
+            await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             "the call's deadline (its reservation's) passed before prefill")
         self.in_flight += 1
         try:
             return await self._prefill(request, context, t0)
@@ -104,7 +124,7 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
                 first_token_top_logprobs=lp.top if lp else (),
                 num_cached_tokens=delta.num_cached_tokens, queue_s=queue_s,
                 compute_s=compute_s)
-            result = await asyncio.to_thread(stream.commit, info)
+            result = await stream.commit_async(info, self.commit_timeout_s)
             committed = True
             transfer_s = time.monotonic() - t_first  # the part not hidden behind compute
         except ValueError as e:
@@ -114,7 +134,9 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
             code = e.code or grpc.StatusCode.UNAVAILABLE
             await self._fail(context, code, f"KV transfer to {request.decode_address}: {e}")
         except RequestError as e:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(e))
+            code = (grpc.StatusCode.INTERNAL if isinstance(e, EngineFailed)
+                    else grpc.StatusCode.UNAVAILABLE)
+            await self._fail(context, code, str(e))
         finally:
             if not committed:
                 stream.abort("prefill did not complete")

@@ -253,11 +253,13 @@ def test_cli_serves_health_and_stops_on_sigterm(tiny_model_dir):
         assert m, "the gateway never became ready"
         grpc_addr, http_url = m.groups()
         assert grpc_addr.startswith("127.0.0.1:")  # loopback by default
-        with urllib.request.urlopen(http_url + "/health") as r:
-            assert json.loads(r.read())["decode_workers"] == 0
+        # up, but with no decode worker nothing can be routed: health says so
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(http_url + "/health")
+        assert e.value.code == 503
         with grpc.insecure_channel(grpc_addr) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
-            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
         code, err = _post_url(http_url, b'{"prompt": "hi"}')
         assert code == 503 and "decode worker" in err["error"]["message"]
         proc.send_signal(signal.SIGTERM)

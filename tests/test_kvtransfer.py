@@ -562,7 +562,10 @@ def test_sender_abort_frees_reservation(receiver: Receiver, transport: GrpcKVTra
     stream = transport.open(receiver.address, rid, SPEC)
     k, v = _blocks(2)
     stream.push_layer(0, [0, 1], k, v)
-    stream.abort("prefill failed")
+    stream.abort("prefill failed")  # returns at once: the receiver answers meanwhile
+    end = time.monotonic() + 10
+    while rid not in sink.aborts and time.monotonic() < end:
+        time.sleep(0.01)
     assert sink.aborts[rid].startswith("CANCELLED: sender aborted: prefill failed")
     assert sink.num_free_blocks == SPEC.num_blocks
     stream.abort("again")  # idempotent

@@ -29,7 +29,7 @@ from netns import Topology, unavailable
 
 from pdserve.engine.sampling_params import SamplingParams
 
-GRPC_PORT, HTTP_PORT, REGISTRY_PORT = 50051, 8000, 50052  # gateways; each namespace has its own ports
+GRPC_PORT, HTTP_PORT, REGISTRY_PORT = 50051, 8000, 50052  # gateways; ports per namespace
 WORKER_PORT, METRICS_PORT = 50061, 9100
 HEARTBEAT_TIMEOUT_S = 3.0  # 10 heartbeats; under the 5 s deadline of a call that hangs
 MAX_TOKENS = 12

@@ -39,6 +39,11 @@ class RequestError(RuntimeError):
     """The engine could not finish a request (it failed or was shut down)."""
 
 
+class EngineFailed(RequestError):
+    """A step raised: every request in it failed. Until a later step succeeds the engine
+    counts as failed (`AsyncEngine.failure`)."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: int
@@ -75,6 +80,7 @@ class AsyncEngine:
         self._hash_version = -1
         self._stats = self._snapshot()
         self.step_listeners: list[Callable[[list[SeqDelta]], None]] = []
+        self.failure: str | None = None  # the last step's error; None once a step succeeds
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -220,8 +226,10 @@ class AsyncEngine:
                     deltas = eng.step()
                 except Exception as e:  # a bug or OOM: fail every request, keep serving
                     log.exception("engine step failed")
-                    self._fail_all(RequestError(f"engine step failed: {e}"))
+                    self.failure = f"engine step failed: {e}"
+                    self._fail_all(EngineFailed(self.failure))
                     continue
+                self.failure = None
                 self._publish(deltas)
             self._stats = self._snapshot()
 
