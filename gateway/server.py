@@ -100,6 +100,9 @@ class Gateway:
         self.metrics.waiting.set_function(lambda: self.admission.stats().queued)
         self.metrics.kv_usage.set_function(self._decode_kv_usage)
         self.health = health.aio.HealthServicer()
+        # the registry listener's own health: SERVING while it takes registrations, which it
+        # must do before the gateway can route anything (so it never follows `ready`)
+        self.registry_health = health.aio.HealthServicer()
         self.prompts: PromptProcessor | None = None
         self.orchestrator: Orchestrator | None = None
         self._serving = False
@@ -143,7 +146,7 @@ class Gateway:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc_port = rpc.add_port(self._server, f"{cfg.host}:{cfg.grpc_port}", None)
         self._registry_server = rpc.server(cfg.credentials)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._registry_server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.registry_health, self._registry_server)
         self.registry_port = rpc.add_port(self._registry_server,
                                           f"{cfg.host}:{cfg.registry_port}", cfg.credentials)
 
@@ -185,6 +188,7 @@ class Gateway:
             self.registry.add_static(Role.DECODE, addr)
         await self._poll_static_once()
         self._serving = True
+        await self.registry_health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._tasks = [asyncio.create_task(self._sweep_loop()),
                        asyncio.create_task(self._poll_loop()),
                        asyncio.create_task(self._readiness_loop())]
@@ -197,6 +201,7 @@ class Gateway:
         grace = self.config.grace_s if grace_s is None else grace_s
         self._serving = False
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.registry_health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

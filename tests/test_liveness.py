@@ -25,6 +25,7 @@ from test_gateway_support import Cluster
 
 from pdserve import cluster as cluster_mod
 from pdserve.cluster import ClusterError, LocalCluster, port_is_free
+from pdserve.cluster_auth import TOKEN_METADATA
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protos.pdserve.v1 import (
@@ -80,7 +81,7 @@ async def _hung_kv_server() -> tuple[grpc.aio.Server, str]:
 
 def _add_worker(c: Cluster, cls, engine, **config) -> object:
     w = cls(WorkerConfig(engine=engine.config, heartbeat_interval_s=0.3,
-                         gateway=c.gateway.grpc_address, **config), engine=engine)
+                         gateways=(c.gateway.registry_address,), **config), engine=engine)
     c.lt.run(w.start())
     c.workers.append(w)
     c.wait_for(lambda: any(x.address == w.address for x in c.gateway.registry.all()))
@@ -207,7 +208,7 @@ def test_gateway_turns_serving_only_when_a_request_can_be_routed(tiny_model_dir)
         assert e.value.code == 503
         engine = tiny_engine(tiny_model_dir, num_threads=1)
         w = DecodeWorker(WorkerConfig(engine=engine.config, heartbeat_interval_s=0.3,
-                                      gateway=c.gateway.grpc_address), engine=engine)
+                                      gateways=(c.gateway.registry_address,)), engine=engine)
         c.workers.append(w)
         fut = asyncio.run_coroutine_threadsafe(w.start(), c.lt.loop)
         while _health(c.gateway.grpc_address) != SERVING:  # the first SERVING seen
@@ -226,9 +227,10 @@ def test_gateway_turns_serving_only_when_a_request_can_be_routed(tiny_model_dir)
 # ---------------------------------------------------------------------------- processes
 
 
-def _worker_stats(address: str) -> common_pb2.StatsResponse:
+def _worker_stats(address: str, token: str) -> common_pb2.StatsResponse:
     with grpc.insecure_channel(address) as ch:
-        return decode_pb2_grpc.DecodeWorkerStub(ch).Stats(common_pb2.StatsRequest(), timeout=10)
+        return decode_pb2_grpc.DecodeWorkerStub(ch).Stats(
+            common_pb2.StatsRequest(), timeout=10, metadata=((TOKEN_METADATA, token),))
 
 
 def _pools_clean(cluster: LocalCluster) -> None:
@@ -237,7 +239,7 @@ def _pools_clean(cluster: LocalCluster) -> None:
         if w.tier != "decode":
             continue
         while True:
-            load = _worker_stats(w.address).load
+            load = _worker_stats(w.address, cluster.cluster_token).load
             if load.free_blocks == load.total_blocks and not load.num_running:
                 break
             assert time.monotonic() < end, f"{w.name}: blocks held: {load}"

@@ -223,10 +223,10 @@ def test_one_unreachable_gateway_does_not_stop_registration_with_another(tiny_mo
         engine = tiny_engine(tiny_model_dir, num_threads=1)
         dead = f"127.0.0.1:{silent.getsockname()[1]}"
         w = DecodeWorker(WorkerConfig(engine=engine.config, heartbeat_interval_s=0.2,
-                                      gateways=(dead, c.gateway.grpc_address)), engine=engine)
+                                      gateways=(dead, c.gateway.registry_address)), engine=engine)
         c.lt.run(w.start())
         c.workers.append(w)
-        assert [r.gateway for r in w.registrations] == [dead, c.gateway.grpc_address]
+        assert [r.gateway for r in w.registrations] == [dead, c.gateway.registry_address]
         c.wait_for(lambda: w.registrations[1].registered.is_set())
         # three heartbeat timeouts later the worker is still routable at the live gateway
         c.lt.run(asyncio.sleep(3.0))
