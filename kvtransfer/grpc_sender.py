@@ -28,9 +28,15 @@ import torch
 
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
+from pdserve.kvtransfer.shm import ShmOffer
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
-from pdserve.kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, commit_to_proto, encode_layer_messages
+from pdserve.kvtransfer.wire import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    EncodedChunk,
+    commit_to_proto,
+    encode_layer_messages,
+)
 from pdserve.protos.pdserve.v1 import kvtransfer_pb2
 
 log = logging.getLogger(__name__)
@@ -81,10 +87,7 @@ class GrpcKVPushStream(KVPushStream):
                         continue
                     if item.wait is not None:
                         item.wait()  # the tensors' copy has landed
-                    for chunk in encode_layer_messages(
-                        self.reservation_id, item.layer, item.block_indices, item.k, item.v,
-                        first_seq=self._num_chunks, max_chunk_bytes=self._max_chunk_bytes,
-                    ):
+                    for chunk in self._encode(item):
                         self._num_chunks += 1
                         self._bytes_sent += chunk.payload_bytes
                         yield chunk.data
@@ -98,6 +101,17 @@ class GrpcKVPushStream(KVPushStream):
         except Exception as e:  # gRPC would only say "Exception iterating requests"
             self._encode_error = e
             raise
+        finally:
+            self._requests_done()
+
+    def _encode(self, item: _Layer) -> Iterator[EncodedChunk]:
+        """One layer as ready-to-send messages (payloads in the messages)."""
+        return encode_layer_messages(
+            self.reservation_id, item.layer, item.block_indices, item.k, item.v,
+            first_seq=self._num_chunks, max_chunk_bytes=self._max_chunk_bytes)
+
+    def _requests_done(self) -> None:
+        """The request stream ended (nothing more is encoded); a subclass's hook."""
 
     # -- KVPushStream --------------------------------------------------------------------
 
@@ -216,7 +230,8 @@ class GrpcKVTransport(KVTransport):
                 self._channels[address] = entry
             return entry[1]
 
-    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec) -> KVPushStream:
+    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec,
+             shm: ShmOffer | None = None) -> KVPushStream:
         return GrpcKVPushStream(
             self._push_method(dest_address), dest_address, reservation_id, spec,
             self.max_chunk_bytes, self._timeout_s, self._abort_wait_s,
