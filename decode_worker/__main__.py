@@ -7,6 +7,8 @@ import asyncio
 import logging
 import sys
 
+from pdserve.kvtransfer.shm import DEFAULT_POOL_BYTES
+from pdserve.kvtransfer.shm_sender import KV_TRANSPORT_MODES
 from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
 
 
@@ -20,6 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reservation-timeout", type=float, default=30.0,
                    help="seconds before a reservation whose KV never commits is freed "
                         "(default 30)")
+    p.add_argument("--kv-transport", choices=KV_TRANSPORT_MODES, default="auto",
+                   help="grpc: KV payloads always in the Push messages; shm/auto: offer "
+                        "same-host prefill workers a shared-memory segment per reservation "
+                        "(default auto)")
+    p.add_argument("--kv-shm-bytes", type=int, default=DEFAULT_POOL_BYTES,
+                   help="most bytes of shared-memory segments held at once; reservations "
+                        "past it get gRPC payloads (default 2 GiB)")
     return p
 
 
@@ -29,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pdserve.decode_worker.server import DecodeWorker
 
-    worker = DecodeWorker(worker_config_from_args(a, reservation_timeout_s=a.reservation_timeout))
+    worker = DecodeWorker(worker_config_from_args(a, reservation_timeout_s=a.reservation_timeout),
+                          kv_transport=a.kv_transport, kv_shm_bytes=a.kv_shm_bytes)
     asyncio.run(run_until_signal(worker.start, worker.stop))
     return 0
 

@@ -50,6 +50,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.protos.pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ SEGMENT_PREFIX = "pdserve-kv-"
 _NAME = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]{16}")
 _ROUND_BYTES = 1 << 20  # segment sizes are rounded up to this, so they fit other prompts
 DEFAULT_POOL_BYTES = 2 << 30
+
+
+def kv_bytes(spec: KVCacheSpec, num_blocks: int) -> int:
+    """Bytes of a reservation's whole KV: every layer's K and V of `num_blocks` blocks,
+    what its segment must hold."""
+    return spec.num_layers * 2 * num_blocks * spec.block_bytes
 
 
 def host_id() -> str | None:

@@ -5,6 +5,7 @@ unlinked on every other end, none left in /dev/shm) and the fallback to gRPC pay
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from conftest import tiny_engine
 from test_kvtransfer import (
     BLOCK_BYTES,
     SPEC,
@@ -28,6 +30,9 @@ from test_kvtransfer import (
     _wait_for,
 )
 
+from pdserve.convert import sampling_to_proto
+from pdserve.decode_worker.server import DecodeWorker
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVCommitInfo, KVTransferError
 from pdserve.kvtransfer.shm import (
     SHM_DIR,
@@ -40,7 +45,16 @@ from pdserve.kvtransfer.shm import (
 )
 from pdserve.kvtransfer.shm_sender import ShmKVTransport
 from pdserve.kvtransfer.wire import encode_layer_descriptors, encode_layer_messages
-from pdserve.protos.pdserve.v1 import common_pb2, kvtransfer_pb2
+from pdserve.prefill_worker.server import PrefillWorker
+from pdserve.protos.pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kvtransfer_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from pdserve.worker_runtime import WorkerConfig
 
 HOST = "host-a"
 RESERVATION_BYTES = SPEC.num_layers * 2 * BLOCK_BYTES  # per reserved block
@@ -348,3 +362,88 @@ def test_offer_proto_round_trip() -> None:
     offer = ShmOffer(HOST, "pdserve-kv-1-0123456789abcdef", 4096)
     assert offer_from_proto(offer_to_proto(offer)) == offer
     assert offer_from_proto(common_pb2.KVShmOffer()) is None  # unset: gRPC payloads
+
+
+# -- a real prefill + decode pair pushing through shared memory -----------------------------
+
+
+async def _start_worker(kind: str, model_dir: str, kv_transport: str, **cfg):
+    cls = DecodeWorker if kind == "decode" else PrefillWorker
+    engine = tiny_engine(model_dir, **cfg)
+    w = cls(WorkerConfig(engine=engine.config), engine=engine, kv_transport=kv_transport)
+    await w.start()
+    return w
+
+
+async def _generate_via_offer(decode_addr: str, prefill_addr: str, ids: list[int],
+                              params, request_id: str) -> list[int]:
+    """The gateway's flow, passing the Reserve's shm offer on to Prefill as it does."""
+    async with grpc.aio.insecure_channel(decode_addr) as dch, \
+            grpc.aio.insecure_channel(prefill_addr) as pch:
+        d = decode_pb2_grpc.DecodeWorkerStub(dch)
+        p = prefill_pb2_grpc.PrefillWorkerStub(pch)
+        sp = sampling_to_proto(params)
+        res = await d.Reserve(decode_pb2.ReserveRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling=sp))
+        assert res.HasField("shm") and res.shm.segment in _own_segments()
+        stream = d.Decode(decode_pb2.DecodeRequest(reservation_id=res.reservation_id))
+        pre = await p.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling=sp,
+            decode_address=decode_addr, reservation_id=res.reservation_id,
+            reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec, decode_shm=res.shm))
+        tokens = []
+        async for chunk in stream:
+            tokens.extend(chunk.token_ids)
+        assert tokens[0] == pre.first_token_id
+        return tokens
+
+
+def test_disaggregated_over_shm_equals_colocated(tiny_model_dir):
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[(37 * i + 11 * j) % 4000 + 50 for j in range(5 + 23 * i)] for i in range(8)]
+    reference = [o.token_ids for o in tiny_engine(tiny_model_dir).generate(prompts, greedy)]
+
+    async def main():
+        dec = await _start_worker("decode", tiny_model_dir, "auto")
+        pre = await _start_worker("prefill", tiny_model_dir, "shm", max_num_batched_tokens=64)
+        try:
+            outs = await asyncio.gather(*[
+                _generate_via_offer(dec.address, pre.address, ids, greedy, f"s{i}")
+                for i, ids in enumerate(prompts)])
+            # strict mode: every transfer went through shared memory or the request failed
+            assert pre.transport.num_shm_streams == len(prompts)
+            assert pre.transport.num_grpc_streams == 0
+            assert dec.kv_receiver.num_committed == len(prompts)
+            assert dec.shm.num_in_use == 0  # every segment back in the free list
+            for w in (dec, pre):
+                s = await w.stats()
+                assert s.load.free_blocks == s.load.total_blocks
+            return outs
+        finally:
+            await dec.stop(0)
+            await pre.stop(0)
+
+    outs = asyncio.run(main())
+    assert outs == reference
+    assert _own_segments() == set()  # the decode worker unlinked its segments at stop
+
+
+def test_unused_offer_released_with_its_reservation(tiny_model_dir):
+    """A reservation cancelled before any push: its segment is unlinked at once."""
+    async def main():
+        dec = await _start_worker("decode", tiny_model_dir, "auto")
+        try:
+            async with grpc.aio.insecure_channel(dec.address) as ch:
+                d = decode_pb2_grpc.DecodeWorkerStub(ch)
+                res = await d.Reserve(decode_pb2.ReserveRequest(
+                    request_id="c", prompt_token_ids=list(range(40)),
+                    sampling=sampling_to_proto(SamplingParams(max_tokens=2))))
+                assert res.shm.segment in _own_segments()
+                await d.Cancel(decode_pb2.CancelRequest(reservation_id=res.reservation_id))
+                assert res.shm.segment not in _own_segments()
+                assert dec.shm.num_in_use == 0
+        finally:
+            await dec.stop(0)
+
+    asyncio.run(main())
+    assert _own_segments() == set()
