@@ -31,6 +31,11 @@ Life cycle of a segment:
                             other transfer reads.
     worker stop             `close()`: every segment unlinked
 
+Trust: the segment is as private as the user both workers run as. The receiver checks
+the CRC-32C of a chunk when its descriptor arrives and the engine copies it later, so the
+sender must not write a chunk's bytes again once its descriptor is sent (ours never does;
+any process of that user could, as it could ptrace either worker).
+
 Either side dying: if the sender dies, its Push stream breaks, the receiver aborts the
 reservation and the segment is unlinked (not clean). If the decode worker dies, its Push
 streams fail at the sender, which drops its mappings; the names it left in /dev/shm are
