@@ -109,7 +109,7 @@ class _Push:
 async def _push_once(d, decode_addr: str, decode_pid: int, transport: ShmKVTransport,
                      n_tokens: int, salt: int, kv_cache: dict) -> _Push:
     """Pushes a whole reservation of a distinct prompt."""
-    rid = f"bw-{n_tokens}-{salt}"
+    rid = f"bw-{transport.mode}-{n_tokens}-{salt}"
     res = await _reserve(d, _prompt(n_tokens, salt), rid, max_tokens=1)
     spec: KVCacheSpec = kv_spec_from_proto(res.kv_spec)
     n = res.num_blocks
@@ -167,8 +167,9 @@ async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats
         d = decode_pb2_grpc.DecodeWorkerStub(dch)
         p = prefill_pb2_grpc.PrefillWorkerStub(pch)
         for r in range(repeats):
-            ids = _prompt(n_tokens, r)
-            rid = f"ttft-{n_tokens}-{r}"
+            # distinct prompts per transport too: no prefix-cache hit at the prefill worker
+            ids = _prompt(n_tokens, r + (0 if mode == "grpc" else 500))
+            rid = f"ttft-{mode}-{n_tokens}-{r}"
             res = await _reserve(d, ids, rid)
             stream = d.Decode(decode_pb2.DecodeRequest(reservation_id=res.reservation_id))
             t0 = time.perf_counter()
