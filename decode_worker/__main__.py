@@ -8,6 +8,8 @@ import asyncio
 import logging
 import sys
 
+from pdserve.kvtransfer.shm import DEFAULT_POOL_BYTES
+from pdserve.kvtransfer.shm_sender import KV_TRANSPORT_MODES
 from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
 
 DESCRIPTION = ("A pdserve decode worker: reserves KV blocks, receives KV from prefill workers "
@@ -21,6 +23,13 @@ def build_parser(prog: str = "python -m pdserve.decode_worker") -> argparse.Argu
     p.add_argument("--reservation-timeout", type=float, default=30.0,
                    help="seconds before a reservation whose KV never commits is freed "
                         "(default 30)")
+    p.add_argument("--kv-transport", choices=KV_TRANSPORT_MODES, default="auto",
+                   help="grpc: KV payloads always in the Push messages; shm/auto: offer "
+                        "same-host prefill workers a shared-memory segment per reservation "
+                        "(default auto)")
+    p.add_argument("--kv-shm-bytes", type=int, default=DEFAULT_POOL_BYTES,
+                   help="most bytes of shared-memory segments held at once; reservations "
+                        "past it get gRPC payloads (default 2 GiB)")
     return p
 
 
@@ -33,7 +42,7 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"decode worker: {e}", file=sys.stderr)
         return 2
-    worker = DecodeWorker(config)
+    worker = DecodeWorker(config, kv_transport=a.kv_transport, kv_shm_bytes=a.kv_shm_bytes)
     asyncio.run(run_until_signal(worker.start, worker.stop))
     return 0
 

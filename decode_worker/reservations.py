@@ -52,10 +52,14 @@ class _Entry:
 
 class ReservationTable:
     def __init__(self, aengine: AsyncEngine, timeout_s: float,
-                 on_expired: Callable[[str], None] = lambda rid: None) -> None:
+                 on_expired: Callable[[str], None] = lambda rid: None,
+                 on_released: Callable[[str], None] = lambda rid: None) -> None:
+        """on_released(reservation id): an uncommitted reservation left the table (its KV
+        will never commit), whatever the reason."""
         self.aengine = aengine
         self.timeout_s = timeout_s
         self.on_expired = on_expired
+        self.on_released = on_released
         self._open: dict[str, _Entry] = {}
         self._by_request: dict[str, str] = {}
         self.commits: dict[str, KVCommitInfo] = {}  # request id -> commit (until it streams)
@@ -87,6 +91,7 @@ class ReservationTable:
         del self._open[reservation_id]
         self._by_request.pop(e.request_id, None)
         log.info("reservation %s released: %s", reservation_id, reason)
+        self.on_released(reservation_id)
         asyncio.get_running_loop().create_task(self.aengine.cancel_reservation(e.request_id))
         return True
 

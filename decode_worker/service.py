@@ -1,6 +1,7 @@
 """The DecodeWorker gRPC servicer: translates messages to engine calls and back.
 
-    Reserve   -> ReservationTable.reserve   (RESOURCE_EXHAUSTED when the pool has no room)
+    Reserve   -> ReservationTable.reserve   (RESOURCE_EXHAUSTED when the pool has no room),
+                 plus a shared-memory segment offer for same-host senders when enabled
     Decode    -> stream the reserved request's tokens; starts when its KV commits
     Generate  -> colocated: this worker prefills and decodes
     Cancel    -> release a reservation or abort a running request; blocks free next step
@@ -28,6 +29,7 @@ from pdserve.deadlines import STREAM_KEEPALIVE_S
 from pdserve.decode_worker.reservations import ReservationTable
 from pdserve.engine.async_engine import AsyncEngine, EngineFailed, RequestError
 from pdserve.engine.llm_engine import SeqDelta
+from pdserve.kvtransfer.shm import ShmSegmentPool, kv_bytes, offer_to_proto
 from pdserve.metrics import TierMetrics, TokenTimer
 from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -37,8 +39,10 @@ log = logging.getLogger("pdserve.decode")
 class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, aengine: AsyncEngine, table: ReservationTable, metrics: TierMetrics,
                  stats: Callable[[], Awaitable[common_pb2.StatsResponse]],
+                 shm: ShmSegmentPool | None = None,
                  keepalive_s: float = STREAM_KEEPALIVE_S) -> None:
         self.aengine = aengine
+        self.shm = shm
         self.keepalive_s = keepalive_s
         self.table = table
         self.metrics = metrics
@@ -57,9 +61,14 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         except RuntimeError as e:
             self.metrics.error("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        return decode_pb2.ReserveResponse(reservation_id=rid, num_blocks=nblocks,
+        resp = decode_pb2.ReserveResponse(reservation_id=rid, num_blocks=nblocks,
                                           kv_spec=kv_spec_to_proto(self.table.kv_spec),
                                           reservation_secret=secret)
+        if self.shm is not None:  # None when full: that transfer sends gRPC payloads
+            offer = self.shm.offer(rid, kv_bytes(self.table.kv_spec, nblocks))
+            if offer is not None:
+                resp.shm.CopyFrom(offer_to_proto(offer))
+        return resp
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[decode_pb2.TokenChunk]:

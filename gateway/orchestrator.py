@@ -328,6 +328,8 @@ class Orchestrator:
             sampling=sampling_to_proto(req.params), decode_address=d.address,
             reservation_id=resv.reservation_id, reserved_blocks=resv.num_blocks,
             decode_kv_spec=resv.kv_spec, reservation_secret=resv.reservation_secret)
+        if resv.HasField("shm"):  # the decode worker's same-host shared-memory offer
+            msg.decode_shm.CopyFrom(resv.shm)
         last: GatewayError | None = None
         for p in router.rank_prefill(prefills, req.prompt_token_ids, self.inflight):
             self._enter(p)

@@ -11,6 +11,10 @@ decode worker made before any prefill work began.
 - `receiver`: `KVTransferService`, the `KVTransfer.Push` servicer hosted by decode workers.
 - `transport`: the sender interface prefill workers use (`KVTransport`, `KVPushStream`).
 - `grpc_sender`: `GrpcKVTransport`, the gRPC streaming implementation of it.
+- `shm`: same-host shared memory: the host id, the segments and the decode worker's pool
+  of them (offered at Reserve), with their life cycle.
+- `shm_sender`: `ShmKVTransport`, payloads through the decode worker's segment and only
+  descriptors on the Push stream when both share a host; gRPC payloads otherwise.
 - `malloc_tuning`: keeps glibc from returning message buffers to the kernel per chunk.
 """
 

@@ -39,9 +39,15 @@ from pdserve.cluster_auth import ClusterCredentials
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
 from pdserve.kvtransfer.receiver import SECRET_METADATA
+from pdserve.kvtransfer.shm import ShmOffer
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVPushStream, KVTransferError, KVTransport, PushResult
-from pdserve.kvtransfer.wire import DEFAULT_MAX_CHUNK_BYTES, commit_to_proto, encode_layer_messages
+from pdserve.kvtransfer.wire import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    EncodedChunk,
+    commit_to_proto,
+    encode_layer_messages,
+)
 from pdserve.protos.pdserve.v1 import kvtransfer_pb2
 
 log = logging.getLogger(__name__)
@@ -93,10 +99,7 @@ class GrpcKVPushStream(KVPushStream):
                         continue
                     if item.wait is not None:
                         item.wait()  # the tensors' copy has landed
-                    for chunk in encode_layer_messages(
-                        self.reservation_id, item.layer, item.block_indices, item.k, item.v,
-                        first_seq=self._num_chunks, max_chunk_bytes=self._max_chunk_bytes,
-                    ):
+                    for chunk in self._encode(item):
                         self._num_chunks += 1
                         self._bytes_sent += chunk.payload_bytes
                         yield chunk.data
@@ -110,6 +113,17 @@ class GrpcKVPushStream(KVPushStream):
         except Exception as e:  # gRPC would only say "Exception iterating requests"
             self._encode_error = e
             raise
+        finally:
+            self._requests_done()
+
+    def _encode(self, item: _Layer) -> Iterator[EncodedChunk]:
+        """One layer as ready-to-send messages (payloads in the messages)."""
+        return encode_layer_messages(
+            self.reservation_id, item.layer, item.block_indices, item.k, item.v,
+            first_seq=self._num_chunks, max_chunk_bytes=self._max_chunk_bytes)
+
+    def _requests_done(self) -> None:
+        """The request stream ended (nothing more is encoded); a subclass's hook."""
 
     # -- KVPushStream --------------------------------------------------------------------
 
@@ -264,12 +278,16 @@ class GrpcKVTransport(KVTransport):
             return entry[1]
 
     def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec,
-             secret: str = "") -> KVPushStream:
-        metadata = (*self._credentials.metadata(), (SECRET_METADATA, secret))
+             secret: str = "", shm: ShmOffer | None = None) -> KVPushStream:
         return GrpcKVPushStream(
             self._push_method(dest_address), dest_address, reservation_id, spec,
-            self.max_chunk_bytes, self._timeout_s, self._abort_wait_s, metadata,
+            self.max_chunk_bytes, self._timeout_s, self._abort_wait_s,
+            self._push_metadata(secret),
         )
+
+    def _push_metadata(self, secret: str) -> tuple[tuple[str, str], ...]:
+        """The cluster credential and the reservation's one-time secret."""
+        return (*self._credentials.metadata(), (SECRET_METADATA, secret))
 
     def close(self) -> None:
         with self._lock:

@@ -24,6 +24,13 @@ Statuses: NOT_FOUND (unknown, expired or already finished reservation), PERMISSI
 sent KVAbort), INTERNAL (the sink failed). A chunk is never written before it has passed
 validation, so bad bytes never reach the cache.
 
+Payload source: a chunk carries its payload in the message (gRPC transport) or, when the
+decode worker offered the reservation a shared-memory segment, a descriptor of where the
+payload lies in it (`KVChunk.shm`; `pdserve.kvtransfer.shm`). Either way the same bytes go
+through the same `decode_chunk` checks and the same sink write; a descriptor must start
+where the stream's previous one ended and lie inside the reservation's own segment. The
+segment goes back to the pool for reuse after a commit, and is dropped on any other end.
+
 Messages reach `Push` already split by `pdserve.kvtransfer.wire.parse_message` (registered as the
 method's deserializer in `add_to_server`): the chunk header parsed, the payload a view into
 the bytes gRPC received. From there to the cache the payload is read twice (CRC-32C, the
@@ -42,6 +49,7 @@ import grpc
 import numpy as np
 
 from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
+from pdserve.kvtransfer.shm import ShmSegmentPool
 from pdserve.kvtransfer.sink import KVSink
 from pdserve.kvtransfer.wire import (
     KVChunkError,
@@ -74,14 +82,17 @@ class _Transfer:
     received: np.ndarray  # bool [num_layers, num_blocks]
     num_chunks: int = 0
     num_bytes: int = 0
+    shm_next: int = 0  # where the next shared-memory payload must start
     done: bool = field(default=False)
 
 
 class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
     """Receives KV into a `KVSink`; runs on the decode worker's event loop."""
 
-    def __init__(self, sink: KVSink) -> None:
+    def __init__(self, sink: KVSink, shm: ShmSegmentPool | None = None) -> None:
+        """shm: the pool whose segments this worker offers at Reserve, if any."""
         self._sink = sink
+        self._shm = shm
         self._spec = sink.kv_spec
         keep_freed_memory()
         self._active: set[str] = set()  # reservations with a live Push stream
@@ -149,7 +160,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                 )
             self._check_open(transfer)
             if kind == "chunk":
-                self._write(transfer, body, msg.payload)
+                self._write(transfer, body, self._payload(transfer, body, msg.payload))
             elif kind == "commit":
                 return await self._commit(transfer, body)
             else:  # abort
@@ -182,6 +193,26 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
             raise _Reject(grpc.StatusCode.NOT_FOUND,
                           f"reservation {transfer.reservation_id!r} expired during the push",
                           abort_reservation=True)
+
+    def _payload(self, transfer: _Transfer, chunk: kvtransfer_pb2.KVChunk,
+                 payload: memoryview | bytes) -> memoryview | bytes:
+        """The chunk's payload: the message's own, or the bytes its descriptor names."""
+        if not chunk.HasField("shm"):
+            return payload
+        if len(payload):
+            raise KVChunkError("payload", "set together with shm; a chunk has one payload")
+        d = chunk.shm
+        if self._shm is None:
+            raise KVChunkError("shm", "this worker offers no shared memory")
+        if d.offset != transfer.shm_next:
+            raise KVChunkError("shm", f"offset {d.offset}, expected {transfer.shm_next} "
+                                      "(payloads are packed in stream order)")
+        view = self._shm.payload(transfer.reservation_id, d.offset, d.length)
+        if view is None:
+            raise KVChunkError("shm", f"[{d.offset}, {d.offset + d.length}) is not inside "
+                                      "the reservation's segment")
+        transfer.shm_next = d.offset + d.length
+        return view
 
     def _write(self, transfer: _Transfer, chunk: kvtransfer_pb2.KVChunk,
                payload: memoryview | bytes) -> None:
@@ -237,6 +268,8 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e), True) from None
         transfer.done = True
         self._active.discard(transfer.reservation_id)
+        if self._shm is not None:  # the engine has copied every chunk: reusable
+            self._shm.finish(transfer.reservation_id, clean=True)
         self.num_committed += 1
         return kvtransfer_pb2.PushAck(reservation_id=transfer.reservation_id,
                                       num_chunks=transfer.num_chunks,
@@ -250,3 +283,5 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
         self._active.discard(transfer.reservation_id)
         transfer.done = True
         self._sink.abort_kv(transfer.reservation_id, reason)
+        if self._shm is not None:
+            self._shm.finish(transfer.reservation_id, clean=False)

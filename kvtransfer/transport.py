@@ -7,7 +7,9 @@
     on failure or cancellation:                stream.abort(reason)
 
 gRPC streaming (`pdserve.kvtransfer.grpc_sender`) is the default implementation; same-host shared
-memory or RDMA transports implement the same two classes.
+memory (`pdserve.kvtransfer.shm_sender`) implements the same two classes, taking the decode
+worker's `ShmOffer` at `open` (a transport that cannot use an offer ignores it); RDMA
+transports would plug in the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import grpc
 import torch
 
 from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.shm import ShmOffer
 from pdserve.kvtransfer.sink import KVCommitInfo
 
 
@@ -91,9 +94,11 @@ class KVTransport(ABC):
 
     @abstractmethod
     def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec,
-             secret: str = "") -> KVPushStream:
+             secret: str = "", shm: ShmOffer | None = None) -> KVPushStream:
         """Starts a transfer; spec is the sender's layout (equal to the receiver's but for
-        num_blocks); secret is the reservation's, from ReserveResponse."""
+        num_blocks); secret is the reservation's, from ReserveResponse; shm: the decode
+        worker's shared-memory offer for this reservation, if it made one
+        (ReserveResponse.shm), which a transport may use or ignore."""
 
     @abstractmethod
     def close(self) -> None:

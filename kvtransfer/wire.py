@@ -18,6 +18,9 @@ out, and each read of a parsed `bytes` field makes a fresh copy):
 - `encode_layer_messages` (the sender) serializes the small header with protobuf and
   appends the payload field itself, copying the tensors once, straight into the message.
   The result is byte-identical to `KVMessage(chunk=...).SerializeToString()`.
+- `encode_layer_descriptors` (the shared-memory sender) writes the payload into the
+  reservation's segment (`pdserve.kvtransfer.shm`) and sends the header with a descriptor
+  (`KVChunk.shm`: offset, length) in place of the payload field.
 - `parse_message` (the receiver's gRPC deserializer) walks the message's field tags and
   lengths, parses everything but the payload with protobuf, and returns the payload as a
   view into the received bytes. Any encoding it does not recognise as the plain one-chunk
@@ -189,6 +192,38 @@ def encode_layer_messages(
         data = b"".join((bytes((_CHUNK_KEY,)), _varint_bytes(body_len), head, payload_key,
                          k_bytes, v_bytes))
         yield EncodedChunk(data, size)
+
+
+def encode_layer_descriptors(
+    reservation_id: str,
+    layer: int,
+    block_indices: Sequence[int],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment: memoryview,
+    *,
+    offset: int,
+    first_seq: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> Iterator[EncodedChunk]:
+    """The chunks of `encode_layer` for the shared-memory transport: each payload is
+    copied into `segment` (packed from `offset`, chunk after chunk) and the message carries
+    its descriptor (`KVChunk.shm`: offset, length) instead of the payload. Header and
+    CRC-32C are those of `encode_layer`. Raises ValueError when the segment is too small."""
+    for header, k_bytes, v_bytes in _layer_parts(
+        reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes
+    ):
+        mid = offset + k_bytes.nbytes
+        end = mid + v_bytes.nbytes
+        if end > segment.nbytes:
+            raise ValueError(f"shm segment of {segment.nbytes} bytes is full at {offset}")
+        segment[offset:mid] = k_bytes
+        segment[mid:end] = v_bytes
+        header.shm.offset = offset
+        header.shm.length = end - offset
+        yield EncodedChunk(kvtransfer_pb2.KVMessage(chunk=header).SerializeToString(),
+                           end - offset)
+        offset = end
 
 
 class _NotPlain(Exception):

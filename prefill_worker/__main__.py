@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 
+from pdserve.kvtransfer.shm_sender import KV_TRANSPORT_MODES
 from pdserve.prefill_worker.service import DEFAULT_MAX_QUEUE
 from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
 
@@ -25,6 +26,10 @@ def build_parser(prog: str = "python -m pdserve.prefill_worker") -> argparse.Arg
                    help="Prefill calls queued or computing at once; more are refused at once "
                         f"with RESOURCE_EXHAUSTED (the gateway tries another prefill worker; "
                         f"default {DEFAULT_MAX_QUEUE}, 0 = no limit)")
+    p.add_argument("--kv-transport", choices=KV_TRANSPORT_MODES, default="auto",
+                   help="grpc: KV payloads in the Push messages; auto: through the decode "
+                        "worker's shared memory when it offers it on this host, gRPC "
+                        "otherwise; shm: shared memory or fail the request (default auto)")
     return p
 
 
@@ -37,7 +42,8 @@ def run(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"prefill worker: {e}", file=sys.stderr)
         return 2
-    worker = PrefillWorker(config, max_chunk_bytes=a.max_chunk_bytes, max_queue=a.max_queue)
+    worker = PrefillWorker(config, max_chunk_bytes=a.max_chunk_bytes, max_queue=a.max_queue,
+                           kv_transport=a.kv_transport)
     asyncio.run(run_until_signal(worker.start, worker.stop))
     return 0
 

@@ -5,7 +5,7 @@ from the engine's stats (life cycle in `pdserve.worker_runtime.WorkerBase`)."""
 
 from __future__ import annotations
 
-from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
+from pdserve.kvtransfer.shm_sender import ShmKVTransport
 from pdserve.prefill_worker.service import DEFAULT_MAX_QUEUE, PrefillService
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker_runtime import WorkerBase, WorkerConfig
@@ -20,15 +20,18 @@ class PrefillWorker(WorkerBase):
     max_prefix_hashes = MAX_REPORTED_HASHES
 
     def __init__(self, config: WorkerConfig, engine=None, max_chunk_bytes: int = 1 << 20,
-                 max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+                 max_queue: int = DEFAULT_MAX_QUEUE, kv_transport: str = "auto") -> None:
+        """kv_transport: `pdserve.kvtransfer.shm_sender.ShmKVTransport`'s mode."""
         super().__init__(config, engine)
         self.max_chunk_bytes = max_chunk_bytes
         self.max_queue = max_queue
+        self.kv_transport = kv_transport
 
     def add_services(self, server) -> None:
-        self.transport = GrpcKVTransport(max_chunk_bytes=self.max_chunk_bytes,
-                                         credentials=self.config.credentials,
-                                         timeout_s=self.config.rpc_timeout_s)
+        self.transport = ShmKVTransport(self.kv_transport,
+                                        max_chunk_bytes=self.max_chunk_bytes,
+                                        credentials=self.config.credentials,
+                                        timeout_s=self.config.rpc_timeout_s)
         self.service = PrefillService(self.aengine, self.transport, self.metrics, self.stats,
                                       max_queue=self.max_queue,
                                       commit_timeout_s=self.config.rpc_timeout_s)

@@ -3,7 +3,9 @@
 Life of one Prefill call:
     shed (RESOURCE_EXHAUSTED at once when `max_queue` calls are already here)
     -> validate (layout matches the decode worker's, reservation covers the prompt)
-    -> open a KV push stream to the decode worker's reservation
+    -> open a KV push stream to the decode worker's reservation (through its shared-memory
+       segment when it offered one on this host, else payloads over gRPC: the transport
+       chooses)
     -> the engine batches the prompt with others (chunked, prefix-cached); in its last
        chunk the engine's KV connector saves KV layer by layer into the stream
        (StreamSaver) and the first token is sampled
@@ -35,6 +37,7 @@ from pdserve.convert import (
 )
 from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S
 from pdserve.engine.async_engine import AsyncEngine, EngineFailed, RequestError
+from pdserve.kvtransfer.shm import offer_from_proto
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVTransferError, KVTransport
 from pdserve.metrics import TierMetrics
@@ -103,8 +106,12 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
         except ValueError as e:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-        stream = self.transport.open(request.decode_address, request.reservation_id, spec,
-                                     request.reservation_secret)
+        offer = offer_from_proto(request.decode_shm) if request.HasField("decode_shm") else None
+        try:
+            stream = self.transport.open(request.decode_address, request.reservation_id, spec,
+                                         request.reservation_secret, shm=offer)
+        except KVTransferError as e:  # --kv-transport shm without a usable segment
+            await self._fail(context, e.code or grpc.StatusCode.UNAVAILABLE, str(e))
         committed = False
         try:
             delta = None

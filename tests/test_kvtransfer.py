@@ -22,6 +22,7 @@ from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
 from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
 from pdserve.kvtransfer.memory_sink import InMemoryKVSink
 from pdserve.kvtransfer.receiver import KVTransferService
+from pdserve.kvtransfer.shm import ShmSegmentPool
 from pdserve.kvtransfer.sink import KVSink
 from pdserve.kvtransfer.wire import (
     WireMessage,
@@ -255,9 +256,9 @@ def test_in_memory_sink_is_a_kv_sink() -> None:
 class Receiver:
     """A grpc.aio server with KVTransferService over an InMemoryKVSink, on its own loop."""
 
-    def __init__(self, spec: KVCacheSpec) -> None:
+    def __init__(self, spec: KVCacheSpec, shm: ShmSegmentPool | None = None) -> None:
         self.sink = InMemoryKVSink(spec)
-        self.service = KVTransferService(self.sink)
+        self.service = KVTransferService(self.sink, shm)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()

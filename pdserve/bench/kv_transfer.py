@@ -1,14 +1,16 @@
 """KV-transfer benchmark: loopback bandwidth and how much of TTFT the transfer adds.
 
     python -m pdserve.bench.kv_transfer [--lengths 1024,4096] [--repeats 3] [--max-chunk-bytes N]
-                                [--out docs/kv_transfer.json]
+                                [--transport grpc,shm] [--out docs/kv_transfer.json]
 
 Starts a real local cluster (1 prefill worker on one core, 1 decode worker on the other),
 then talks to the workers directly:
 
 1. Bandwidth of the transport alone. This process pushes a prompt-sized set of KV blocks
    in SmolLM2's layout (random values, every layer) into a reservation on the decode
-   worker through `GrpcKVTransport`, the sender prefill workers use.
+   worker through the sender prefill workers use (`ShmKVTransport`), once per transport
+   asked for: `grpc` (payloads in the Push messages) and `shm` (payloads through the
+   decode worker's shared-memory segment offered at Reserve, descriptors on the stream).
    - bytes: KV payload, K and V of every (layer, block) of the reservation (chunk headers,
      ~100 B per chunk, excluded); GB = 1e9 bytes.
    - time: from `open()` to the decode worker's acknowledgement of the commit, i.e. every
@@ -24,7 +26,8 @@ then talks to the workers directly:
      to tell which end limits.
 2. TTFT share: real prefills of distinct prompts (no prefix hits): Reserve at the decode
    worker, Prefill at the prefill worker; the prefill worker reports compute time and the
-   transfer time left after its last layer finished (the part compute did not hide).
+   transfer time left after its last layer finished (the part compute did not hide). With
+   `shm` the Prefill request carries the Reserve's offer, as the gateway passes it on.
    `kv_production_GBps` = KV bytes / compute time: the rate a prefill produces KV at, which
    a layer-wise push has to keep up with.
 """
@@ -49,7 +52,8 @@ from pdserve.cluster_auth import ClusterCredentials
 from pdserve.convert import kv_spec_from_proto, sampling_to_proto
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
+from pdserve.kvtransfer.shm import offer_from_proto
+from pdserve.kvtransfer.shm_sender import ShmKVTransport
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -103,10 +107,10 @@ class _Push:
     receiver_cpu_s: float
 
 
-async def _push_once(d, decode_addr: str, decode_pid: int, transport: GrpcKVTransport,
+async def _push_once(d, decode_addr: str, decode_pid: int, transport: ShmKVTransport,
                      n_tokens: int, salt: int, kv_cache: dict) -> _Push:
     """Pushes a whole reservation of a distinct prompt."""
-    rid = f"bw-{n_tokens}-{salt}"
+    rid = f"bw-{transport.mode}-{n_tokens}-{salt}"
     res = await _reserve(d, _prompt(n_tokens, salt), rid, max_tokens=1)
     spec: KVCacheSpec = kv_spec_from_proto(res.kv_spec)
     n = res.num_blocks
@@ -117,7 +121,9 @@ async def _push_once(d, decode_addr: str, decode_pid: int, transport: GrpcKVTran
     kv = kv_cache[key]
     s0, r0 = time.process_time(), process_cpu_s(decode_pid)
     t0 = time.perf_counter()
-    stream = transport.open(decode_addr, res.reservation_id, spec, res.reservation_secret)
+    offer = offer_from_proto(res.shm) if res.HasField("shm") else None
+    stream = transport.open(decode_addr, res.reservation_id, spec, res.reservation_secret,
+                            shm=offer)
     for layer in range(spec.num_layers):
         stream.push_layer(layer, list(range(n)), kv[layer, 0], kv[layer, 1])
     result = await asyncio.to_thread(
@@ -132,12 +138,13 @@ async def _push_once(d, decode_addr: str, decode_pid: int, transport: GrpcKVTran
 
 
 async def bandwidth(decode_addr: str, decode_pid: int, n_tokens: int, repeats: int,
-                    chunk: int, creds: ClusterCredentials) -> dict:
+                    chunk: int, mode: str, creds: ClusterCredentials) -> dict:
     rates, send_cpu, recv_cpu = [], [], []
     kv_cache: dict = {}
     async with rpc.aio_channel(decode_addr, creds) as ch:
         d = decode_pb2_grpc.DecodeWorkerStub(ch)
-        transport = GrpcKVTransport(max_chunk_bytes=chunk, credentials=creds)
+        # "shm" is strict: a push that could not use shared memory fails the run
+        transport = ShmKVTransport(mode, max_chunk_bytes=chunk, credentials=creds)
         await _push_once(d, decode_addr, decode_pid, transport, n_tokens, 999, kv_cache)
         for r in range(repeats):  # after one warm-up push, above
             p = await _push_once(d, decode_addr, decode_pid, transport, n_tokens, 1000 + r,
@@ -147,22 +154,24 @@ async def bandwidth(decode_addr: str, decode_pid: int, n_tokens: int, repeats: i
             send_cpu.append(p.sender_cpu_s * 1e3 / mib)
             recv_cpu.append(p.receiver_cpu_s * 1e3 / mib)
         transport.close()
-    return {"bytes": p.nbytes, "GBps_median": round(statistics.median(rates) / 1e9, 3),
+    return {"transport": mode, "bytes": p.nbytes,
+            "GBps_median": round(statistics.median(rates) / 1e9, 3),
             "GBps_all": [round(x / 1e9, 3) for x in rates], "max_chunk_bytes": chunk,
             "sender_cpu_ms_per_MiB": [round(x, 3) for x in send_cpu],
             "receiver_cpu_ms_per_MiB": [round(x, 3) for x in recv_cpu]}
 
 
 async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats: int,
-                     creds: ClusterCredentials) -> dict:
+                     mode: str, creds: ClusterCredentials) -> dict:
     rows = []
     async with rpc.aio_channel(decode_addr, creds) as dch, \
             rpc.aio_channel(prefill_addr, creds) as pch:
         d = decode_pb2_grpc.DecodeWorkerStub(dch)
         p = prefill_pb2_grpc.PrefillWorkerStub(pch)
         for r in range(repeats):
-            ids = _prompt(n_tokens, r)
-            rid = f"ttft-{n_tokens}-{r}"
+            # distinct prompts per transport too: no prefix-cache hit at the prefill worker
+            ids = _prompt(n_tokens, r + (0 if mode == "grpc" else 500))
+            rid = f"ttft-{mode}-{n_tokens}-{r}"
             res = await _reserve(d, ids, rid)
             stream = d.Decode(decode_pb2.DecodeRequest(reservation_id=res.reservation_id))
             t0 = time.perf_counter()
@@ -171,7 +180,8 @@ async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats
                 sampling=sampling_to_proto(SamplingParams(max_tokens=2, temperature=0)),
                 decode_address=decode_addr, reservation_id=res.reservation_id,
                 reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec,
-                reservation_secret=res.reservation_secret))
+                reservation_secret=res.reservation_secret,
+                decode_shm=res.shm if mode == "shm" else None))
             ttft = time.perf_counter() - t0
             async for _ in stream:
                 pass
@@ -185,16 +195,18 @@ async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats
 
 
 async def run(endpoints, lengths: list[int], repeats: int, chunk: int,
-              creds: ClusterCredentials) -> dict:
+              transports: list[str], creds: ClusterCredentials) -> dict:
     dec = next(w for w in endpoints.workers if w.tier == "decode")
     pre = next(w for w in endpoints.workers if w.tier == "prefill")
     pin_this_process(pre.cpus)
     out = {}
     for n in lengths:
         print(f"{n}-token prompts ...", file=sys.stderr)
-        out[str(n)] = {"bandwidth": await bandwidth(dec.address, dec.pid, n, repeats, chunk,
-                                                    creds),
-                       "ttft": await ttft_split(dec.address, pre.address, n, repeats, creds)}
+        out[str(n)] = {
+            mode: {"bandwidth": await bandwidth(dec.address, dec.pid, n, repeats, chunk, mode,
+                                                creds),
+                   "ttft": await ttft_split(dec.address, pre.address, n, repeats, mode, creds)}
+            for mode in transports}
     return out
 
 
@@ -207,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-chunk-bytes", type=int, default=1 << 20,
                    help="payload bytes per KV chunk, for this sender and the prefill "
                         "worker (default 1 MiB, the prefill worker's own default)")
+    p.add_argument("--transport", default="grpc,shm",
+                   help="transports to measure, comma-separated: grpc, shm (default both)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
+    transports = a.transport.split(",")
+    if not set(transports) <= {"grpc", "shm"}:
+        p.error(f"--transport: {a.transport!r} is not a list of grpc, shm")
     cluster = LocalCluster(model=a.model, num_prefill=1, num_decode=1, http_port=0,
                            grpc_port=0, cpus="auto",
                            engine_args=("--kv-cache-memory", "1GiB"),
@@ -220,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                    + " ".join(argv or sys.argv[1:]),
                   "bandwidth_definition": BANDWIDTH_DEFINITION,
                   "results": asyncio.run(run(eps, lengths, a.repeats, a.max_chunk_bytes,
+                                             transports,
                                              ClusterCredentials(token=cluster.cluster_token)))}
     emit_report(report, a.out)
     return 0

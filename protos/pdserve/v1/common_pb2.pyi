@@ -104,6 +104,16 @@ class KVCacheSpec(_message.Message):
     dtype: str
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
+class KVShmOffer(_message.Message):
+    __slots__ = ("host_id", "segment", "size")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    segment: str
+    size: int
+    def __init__(self, host_id: _Optional[str] = ..., segment: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
 class WorkerLoad(_message.Message):
     __slots__ = ("num_running", "num_waiting", "free_blocks", "total_blocks", "tokens_per_s", "queue_depth", "cached_block_hashes")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]

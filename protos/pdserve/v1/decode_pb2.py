@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"l\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\x83\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12(\n\x07kv_spec\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KVCacheSpec\x12\x1a\n\x12reservation_secret\x18\x04 \x01(\t\"\'\n\rDecodeRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"v\n\x18\x43olocatedGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xf2\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"Y\n\rCancelRequest\x12\x14\n\nrequest_id\x18\x01 \x01(\tH\x00\x12\x18\n\x0ereservation_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xdc\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12J\n\x08Generate\x12$.pdserve.v1.ColocatedGenerateRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"l\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xa8\x01\n\x0fReserveResponse\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12(\n\x07kv_spec\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.KVCacheSpec\x12\x1a\n\x12reservation_secret\x18\x04 \x01(\t\x12#\n\x03shm\x18\x14 \x01(\x0b\x32\x16.pdserve.v1.KVShmOffer\"\'\n\rDecodeRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"v\n\x18\x43olocatedGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xf2\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"Y\n\rCancelRequest\x12\x14\n\nrequest_id\x18\x01 \x01(\tH\x00\x12\x18\n\x0ereservation_id\x18\x02 \x01(\tH\x00\x12\x0e\n\x06reason\x18\x03 \x01(\tB\x08\n\x06target\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xdc\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12=\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12J\n\x08Generate\x12$.pdserve.v1.ColocatedGenerateRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVEREQUEST']._serialized_start=78
   _globals['_RESERVEREQUEST']._serialized_end=186
   _globals['_RESERVERESPONSE']._serialized_start=189
-  _globals['_RESERVERESPONSE']._serialized_end=320
-  _globals['_DECODEREQUEST']._serialized_start=322
-  _globals['_DECODEREQUEST']._serialized_end=361
-  _globals['_COLOCATEDGENERATEREQUEST']._serialized_start=363
-  _globals['_COLOCATEDGENERATEREQUEST']._serialized_end=481
-  _globals['_TOKENCHUNK']._serialized_start=484
-  _globals['_TOKENCHUNK']._serialized_end=726
-  _globals['_CANCELREQUEST']._serialized_start=728
-  _globals['_CANCELREQUEST']._serialized_end=817
-  _globals['_CANCELRESPONSE']._serialized_start=819
-  _globals['_CANCELRESPONSE']._serialized_end=850
-  _globals['_DECODEWORKER']._serialized_start=853
-  _globals['_DECODEWORKER']._serialized_end=1201
+  _globals['_RESERVERESPONSE']._serialized_end=357
+  _globals['_DECODEREQUEST']._serialized_start=359
+  _globals['_DECODEREQUEST']._serialized_end=398
+  _globals['_COLOCATEDGENERATEREQUEST']._serialized_start=400
+  _globals['_COLOCATEDGENERATEREQUEST']._serialized_end=518
+  _globals['_TOKENCHUNK']._serialized_start=521
+  _globals['_TOKENCHUNK']._serialized_end=763
+  _globals['_CANCELREQUEST']._serialized_start=765
+  _globals['_CANCELREQUEST']._serialized_end=854
+  _globals['_CANCELRESPONSE']._serialized_start=856
+  _globals['_CANCELRESPONSE']._serialized_end=887
+  _globals['_DECODEWORKER']._serialized_start=890
+  _globals['_DECODEWORKER']._serialized_end=1238
 # @@protoc_insertion_point(module_scope)

@@ -18,16 +18,18 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "num_blocks", "kv_spec", "reservation_secret")
+    __slots__ = ("reservation_id", "num_blocks", "kv_spec", "reservation_secret", "shm")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     num_blocks: int
     kv_spec: _common_pb2.KVCacheSpec
     reservation_secret: str
-    def __init__(self, reservation_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_spec: _Optional[_Union[_common_pb2.KVCacheSpec, _Mapping]] = ..., reservation_secret: _Optional[str] = ...) -> None: ...
+    shm: _common_pb2.KVShmOffer
+    def __init__(self, reservation_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_spec: _Optional[_Union[_common_pb2.KVCacheSpec, _Mapping]] = ..., reservation_secret: _Optional[str] = ..., shm: _Optional[_Union[_common_pb2.KVShmOffer, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("reservation_id",)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVChunk(_message.Message):
-    __slots__ = ("reservation_id", "layer", "block_indices", "dtype", "shape", "seq", "crc32c", "payload")
+    __slots__ = ("reservation_id", "layer", "block_indices", "dtype", "shape", "seq", "crc32c", "payload", "shm")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class KVChunk(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     layer: int
     block_indices: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,16 @@ class KVChunk(_message.Message):
     seq: int
     crc32c: int
     payload: bytes
-    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., crc32c: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    shm: KVShmPayload
+    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., crc32c: _Optional[int] = ..., payload: _Optional[bytes] = ..., shm: _Optional[_Union[KVShmPayload, _Mapping]] = ...) -> None: ...
+
+class KVShmPayload(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class KVCommit(_message.Message):
     __slots__ = ("reservation_id", "num_chunks", "num_prompt_tokens", "num_cached_tokens", "first_token_id", "first_token_logprobs", "timing")

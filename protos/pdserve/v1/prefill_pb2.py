@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x82\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x17\n\x0freserved_blocks\x18\x06 \x01(\r\x12/\n\x0e\x64\x65\x63ode_kv_spec\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.KVCacheSpec\x12\x1a\n\x12reservation_secret\x18\x08 \x01(\t\"\xdb\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12)\n\x06timing\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.PrefillTiming\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x06 \x01(\x04\x32\x91\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xae\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x17\n\x0freserved_blocks\x18\x06 \x01(\r\x12/\n\x0e\x64\x65\x63ode_kv_spec\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.KVCacheSpec\x12\x1a\n\x12reservation_secret\x18\x08 \x01(\t\x12*\n\ndecode_shm\x18\x14 \x01(\x0b\x32\x16.pdserve.v1.KVShmOffer\"\xdb\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12)\n\x06timing\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.PrefillTiming\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x06 \x01(\x04\x32\x91\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.protos.pdserve.v1.p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=80
-  _globals['_PREFILLREQUEST']._serialized_end=338
-  _globals['_PREFILLRESPONSE']._serialized_start=341
-  _globals['_PREFILLRESPONSE']._serialized_end=560
-  _globals['_PREFILLWORKER']._serialized_start=563
-  _globals['_PREFILLWORKER']._serialized_end=708
+  _globals['_PREFILLREQUEST']._serialized_end=382
+  _globals['_PREFILLRESPONSE']._serialized_start=385
+  _globals['_PREFILLRESPONSE']._serialized_end=604
+  _globals['_PREFILLWORKER']._serialized_start=607
+  _globals['_PREFILLWORKER']._serialized_end=752
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation_id", "reserved_blocks", "decode_kv_spec", "reservation_secret")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation_id", "reserved_blocks", "decode_kv_spec", "reservation_secret", "decode_shm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class PrefillRequest(_message.Message):
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SHM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -25,7 +26,8 @@ class PrefillRequest(_message.Message):
     reserved_blocks: int
     decode_kv_spec: _common_pb2.KVCacheSpec
     reservation_secret: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., reserved_blocks: _Optional[int] = ..., decode_kv_spec: _Optional[_Union[_common_pb2.KVCacheSpec, _Mapping]] = ..., reservation_secret: _Optional[str] = ...) -> None: ...
+    decode_shm: _common_pb2.KVShmOffer
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., reserved_blocks: _Optional[int] = ..., decode_kv_spec: _Optional[_Union[_common_pb2.KVCacheSpec, _Mapping]] = ..., reservation_secret: _Optional[str] = ..., decode_shm: _Optional[_Union[_common_pb2.KVShmOffer, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_token_logprobs", "timing", "num_prompt_tokens", "num_cached_tokens", "transfer_bytes")

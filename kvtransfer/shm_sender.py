@@ -1,0 +1,126 @@
+"""`ShmKVTransport`: KV push through the decode worker's shared-memory segment when both
+run on one host, over the gRPC Push stream's payloads otherwise.
+
+The stream is the gRPC one (`pdserve.kvtransfer.grpc_sender`) with one difference: each
+chunk's payload is copied into the reservation's segment (`pdserve.kvtransfer.shm`, which
+gives the segment's life cycle) and the Push message carries only its descriptor. Commit,
+abort, status codes and the receiver's checks are the gRPC transport's own.
+
+Choosing, per transfer, at `open` (`mode`, the workers' `--kv-transport`):
+
+    grpc   payloads always in the messages; offers are ignored
+    auto   shm when the decode worker made an offer, its host id is this host's, and the
+           segment maps; gRPC payloads otherwise (the reason is logged at debug level)
+    shm    as auto, but a transfer that cannot use shm fails at open with
+           FAILED_PRECONDITION instead of falling back
+
+The sender maps the segment at open and unmaps it when its request stream ends; it never
+creates or unlinks one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.grpc_sender import GrpcKVPushStream, GrpcKVTransport, _Layer
+from pdserve.kvtransfer.shm import SHM_DIR, ShmOffer, ShmSegment, host_id
+from pdserve.kvtransfer.transport import KVPushStream, KVTransferError
+from pdserve.kvtransfer.wire import EncodedChunk, encode_layer_descriptors
+
+log = logging.getLogger(__name__)
+
+KV_TRANSPORT_MODES = ("grpc", "shm", "auto")
+# Descriptors are tiny whatever the payload, so chunks can be large: fewer messages and
+# per-chunk checks, while a layer of a long prompt still spans a few chunks.
+SHM_MAX_CHUNK_BYTES = 16 << 20
+
+
+class ShmKVPushStream(GrpcKVPushStream):
+    """A Push stream whose payloads go through `segment`, packed from offset 0."""
+
+    def __init__(self, segment: ShmSegment, *args, **kwargs) -> None:
+        self.segment = segment  # set first: the base class starts the request stream
+        self._offset = 0  # written only by the consumer thread
+        super().__init__(*args, **kwargs)
+
+    def _encode(self, item: _Layer) -> Iterator[EncodedChunk]:
+        for chunk in encode_layer_descriptors(
+            self.reservation_id, item.layer, item.block_indices, item.k, item.v,
+            self.segment.view, offset=self._offset, first_seq=self._num_chunks,
+            max_chunk_bytes=self._max_chunk_bytes,
+        ):
+            self._offset += chunk.payload_bytes
+            yield chunk
+
+    def _requests_done(self) -> None:
+        self.segment.close()
+
+
+class ShmKVTransport(GrpcKVTransport):
+    """Thread-safe; one instance per prefill worker. `num_shm_streams` and
+    `num_grpc_streams` count the transfers each way."""
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        *,
+        host: str | None = None,
+        directory: Path = SHM_DIR,
+        shm_max_chunk_bytes: int = SHM_MAX_CHUNK_BYTES,
+        **grpc_kwargs,
+    ) -> None:
+        """host: this host's id (default `pdserve.kvtransfer.shm.host_id()`); the other
+        keyword arguments are `GrpcKVTransport`'s."""
+        if mode not in KV_TRANSPORT_MODES:
+            raise ValueError(f"mode must be one of {KV_TRANSPORT_MODES}, got {mode!r}")
+        if shm_max_chunk_bytes < 1:
+            raise ValueError(f"shm_max_chunk_bytes must be >= 1, got {shm_max_chunk_bytes}")
+        super().__init__(**grpc_kwargs)
+        self.mode = mode
+        self.host_id = host if host is not None else host_id()
+        self.directory = Path(directory)
+        self.shm_max_chunk_bytes = shm_max_chunk_bytes
+        self._count_lock = threading.Lock()
+        self.num_shm_streams = 0
+        self.num_grpc_streams = 0
+
+    def open(self, dest_address: str, reservation_id: str, spec: KVCacheSpec,
+             secret: str = "", shm: ShmOffer | None = None) -> KVPushStream:
+        segment = self._map(shm, reservation_id)
+        with self._count_lock:
+            if segment is None:
+                self.num_grpc_streams += 1
+            else:
+                self.num_shm_streams += 1
+        if segment is None:
+            return super().open(dest_address, reservation_id, spec, secret)
+        return ShmKVPushStream(
+            segment, self._push_method(dest_address), dest_address, reservation_id, spec,
+            self.shm_max_chunk_bytes, self._timeout_s, self._abort_wait_s,
+            self._push_metadata(secret))
+
+    def _map(self, offer: ShmOffer | None, reservation_id: str) -> ShmSegment | None:
+        """The offered segment, mapped; None to send payloads over gRPC."""
+        if self.mode == "grpc":
+            return None
+        if offer is None:
+            why = "the decode worker offered no shared memory"
+        elif self.host_id is None or offer.host_id != self.host_id:
+            why = "the decode worker runs on another host"
+        else:
+            try:
+                return ShmSegment.open(offer.segment, offer.size, self.directory)
+            except (OSError, ValueError) as e:
+                why = f"its segment did not open: {e}"
+        if self.mode == "shm":
+            raise KVTransferError(f"KV push of {reservation_id} needs shared memory, but {why}",
+                                  grpc.StatusCode.FAILED_PRECONDITION)
+        log.debug("KV push of %s over gRPC: %s", reservation_id, why)
+        return None
+
