@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,7 +232,10 @@ def test_sender_abort_mid_transfer(receiver: Receiver, pool: ShmSegmentPool,
     stream = transport.open(receiver.address, rid, SPEC, shm=offer)
     k, v = _blocks(2)
     stream.push_layer(0, [0, 1], k, v)
-    stream.abort("prefill failed")
+    stream.abort("prefill failed")  # returns at once: the receiver answers meanwhile
+    end = time.monotonic() + 10
+    while rid not in sink.aborts and time.monotonic() < end:
+        time.sleep(0.01)
     assert sink.aborts[rid].startswith("CANCELLED: sender aborted: prefill failed")
     assert sink.num_free_blocks == SPEC.num_blocks
     assert offer.segment not in _own_segments() and pool.num_in_use == 0
@@ -390,7 +394,8 @@ async def _generate_via_offer(decode_addr: str, prefill_addr: str, ids: list[int
         pre = await p.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=sp,
             decode_address=decode_addr, reservation_id=res.reservation_id,
-            reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec, decode_shm=res.shm))
+            reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec, decode_shm=res.shm,
+            reservation_secret=res.reservation_secret))
         tokens = []
         async for chunk in stream:
             tokens.extend(chunk.token_ids)
