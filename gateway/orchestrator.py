@@ -32,12 +32,13 @@ import grpc
 from pdserve.gateway import router
 from pdserve.gateway.admission import AdmissionController, Overloaded
 from pdserve.gateway.channels import WorkerChannels
-from pdserve.gateway.convert import FINISH_REASONS, logprobs_from_proto, sampling_to_proto
+from pdserve.gateway.convert import logprobs_from_proto
 from pdserve.gateway.errors import ErrorKind, GatewayError, from_worker_status
 from pdserve.gateway.output import TextOutput
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry
 from pdserve.gateway.request import GenerationDelta, GenerationRequest, RequestTiming, Usage
 from pdserve.metrics import TierMetrics, TokenTimer
+from pdserve.protocol import ABORT, STOP, finish_from_proto
 from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.gateway")
@@ -151,8 +152,8 @@ class Orchestrator:
                     if out.stopped:
                         reason = "stop"  # leaving the loop cancels the request at D
                     else:
-                        reason = FINISH_REASONS.get(ch.finish_reason, "stop")
-                        if reason == "abort":
+                        reason = finish_from_proto(ch.finish_reason) or STOP
+                        if reason == ABORT:
                             raise GatewayError(ErrorKind.UNAVAILABLE,
                                                "the decode worker aborted the request")
                         text += out.finish()
@@ -213,7 +214,7 @@ class Orchestrator:
                          ) -> AsyncIterator[decode_pb2.TokenChunk]:
         msg = decode_pb2.ColocatedGenerateRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_to_proto(req.params))
+            sampling=req.params.to_proto())
         last: GatewayError | None = None
         for w in router.rank_decode(decodes, len(req.prompt_token_ids), self.inflight):
             call = self.channels.get(w.address).decode.Generate(
@@ -246,7 +247,7 @@ class Orchestrator:
                        ) -> tuple[Worker, decode_pb2.ReserveResponse]:
         msg = decode_pb2.ReserveRequest(request_id=req.request_id,
                                         prompt_token_ids=req.prompt_token_ids,
-                                        sampling=sampling_to_proto(req.params))
+                                        sampling=req.params.to_proto())
         last: GatewayError | None = None
         for w in router.rank_decode(decodes, len(req.prompt_token_ids), self.inflight):
             # counted from the moment it is chosen, not once the reservation returns: requests
@@ -274,7 +275,8 @@ class Orchestrator:
                        ) -> prefill_pb2.PrefillResponse:
         msg = prefill_pb2.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_to_proto(req.params), decode_address=d.address,
+            # max_tokens goes to the decode worker only: prefill samples the first token
+            sampling=req.params.to_proto(with_max_tokens=False), decode_address=d.address,
             reservation_id=resv.reservation_id, reserved_blocks=resv.num_blocks,
             decode_kv_spec=resv.kv_spec)
         last: GatewayError | None = None

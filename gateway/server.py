@@ -18,19 +18,19 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from pdserve.engine.model_loader import load_config, load_tokenizer, resolve_model
+from pdserve.engine.model_files import load_config, load_tokenizer, resolve_model
 from pdserve.gateway.admission import AdmissionController
 from pdserve.gateway.channels import WorkerChannels
 from pdserve.gateway.convert import kv_spec_from_proto, load_from_proto
 from pdserve.gateway.grpc_api import GatewayServicer
-from pdserve.gateway.http_api import OpenAIServer
+from pdserve.gateway.http_api import MAX_BODY_BYTES, OpenAIServer
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prompts import PromptProcessor
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry, addresses
+from pdserve.grpc_health import GrpcHealth
 from pdserve.metrics import TierMetrics
+from pdserve.protocol import DEFAULT_MAX_TOKENS
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
@@ -50,7 +50,8 @@ class GatewayConfig:
     max_queue: int = 256
     max_inflight: int = 128
     heartbeat_timeout_s: float = 5.0
-    default_max_tokens: int = 256
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_body_bytes: int = MAX_BODY_BYTES  # HTTP request bodies; larger ones get 413
     grace_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -63,6 +64,8 @@ class GatewayConfig:
             raise ValueError("heartbeat_timeout_s must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
         object.__setattr__(self, "prefill", tuple(addresses(",".join(self.prefill))))
         object.__setattr__(self, "decode", tuple(addresses(",".join(self.decode))))
 
@@ -80,7 +83,7 @@ class Gateway:
         self.metrics.running.set_function(lambda: self.admission.num_inflight)
         self.metrics.waiting.set_function(lambda: self.admission.stats().queued)
         self.metrics.kv_usage.set_function(self._decode_kv_usage)
-        self.health = health.aio.HealthServicer()
+        self.health: GrpcHealth | None = None
         self.prompts: PromptProcessor | None = None
         self.orchestrator: Orchestrator | None = None
         self._serving = False
@@ -105,8 +108,8 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.config
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health = GrpcHealth(self._server, (GATEWAY_SERVICE,))
+        await self.health.set_serving(False)
         self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"cannot bind gRPC port {cfg.host}:{cfg.grpc_port}")
@@ -123,12 +126,10 @@ class Gateway:
         servicer = GatewayServicer(self.prompts, self.orchestrator, self.registry,
                                    heartbeat_interval_s=min(1.0, cfg.heartbeat_timeout_s / 3))
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self._server)
-        reflection.enable_server_reflection(
-            (GATEWAY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         await self._server.start()
 
         http = OpenAIServer(self.prompts, self.orchestrator, self.registry, self.metrics,
-                            lambda: self._serving)
+                            lambda: self._serving, cfg.max_body_bytes)
         self._runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None,
                                      shutdown_timeout=cfg.grace_s)
         await self._runner.setup()
@@ -146,14 +147,15 @@ class Gateway:
         self._tasks = [asyncio.create_task(self._sweep_loop()),
                        asyncio.create_task(self._poll_loop())]
         self._serving = True
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set_serving(True)
         log.info("gateway %s serving %s: gRPC %s, HTTP %s (pid %d)", self.gateway_id,
                  cfg.model, self.grpc_address, self.http_url, os.getpid())
 
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.config.grace_s if grace_s is None else grace_s
         self._serving = False
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.health is not None:
+            await self.health.set_serving(False)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -165,11 +167,9 @@ class Gateway:
         if self.orchestrator is not None:
             await self.orchestrator.drain(grace)
         await self.channels.close_all()
+        if self.prompts is not None:
+            self.prompts.close()
         log.info("gateway %s stopped", self.gateway_id)
-
-    async def _set_health(self, status: int) -> None:
-        await self.health.set("", status)
-        await self.health.set(GATEWAY_SERVICE, status)
 
     # -- housekeeping -----------------------------------------------------------------------
     async def _sweep_loop(self) -> None:

@@ -12,24 +12,19 @@ Any failure aborts the transfer, which frees the reservation at the decode worke
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
 
 import grpc
 
-from pdserve.convert import (
-    kv_spec_from_proto,
-    layouts_match,
-    logprobs_to_proto,
-    sampling_from_proto,
-)
+from pdserve.convert import kv_spec_from_proto, layouts_match, logprobs_to_proto
 from pdserve.engine.async_engine import AsyncEngine, RequestError
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVTransferError, KVTransport
 from pdserve.metrics import TierMetrics
 from pdserve.prefill_worker.kv_pusher import KVPusher
+from pdserve.protocol import SamplingParams, cdiv
 from pdserve.protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
@@ -70,16 +65,14 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
             await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
                              "decode_kv_spec: the decode worker's KV layout differs from this "
                              "prefill worker's")
-        need = -(-len(ids) // spec.block_size)
+        need = cdiv(len(ids), spec.block_size)
         if request.reserved_blocks and request.reserved_blocks != need:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
                              f"reserved_blocks: {request.reserved_blocks} reserved, the prompt "
                              f"fills {need}")
         try:
-            params = sampling_from_proto(request.sampling)
             # only the first token is sampled here, with the request's own rules
-            params = dataclasses.replace(params, max_tokens=1,
-                                         min_tokens=min(params.min_tokens, 1))
+            params = SamplingParams.from_proto(request.sampling, first_token_only=True)
         except ValueError as e:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdserve.engine.block_hash import hash_block
+from pdserve.protocol import cdiv
 
 
 @dataclass
@@ -77,7 +78,7 @@ class BlockPool:
         return list(self._hash_to_block)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # -- allocation -------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
