@@ -30,7 +30,7 @@ def tokenizer():
 # -- admission --------------------------------------------------------------------------------
 def test_admission_priority_order_and_queue_bound():
     async def main():
-        a = AdmissionController(max_inflight=1, max_queue=3)
+        a = AdmissionController(max_inflight=1, max_queue=5)
         await a.acquire()
         order: list[str] = []
 
@@ -39,15 +39,14 @@ def test_admission_priority_order_and_queue_bound():
             order.append(name)
 
         tasks = [asyncio.create_task(wait(n, p)) for n, p in
-                 (("low1", 5), ("high", 0), ("low2", 5), ("low3", 5))]
+                 (("low1", 5), ("high", 0), ("low2", 5), ("low3", 5), ("high2", 0))]
         await asyncio.sleep(0)
-        assert a.stats().queued == 4
-        # priority 5's queue is full (3); priority 0's still has room: bounded per priority
-        with pytest.raises(Overloaded) as e:
-            await a.acquire(5)
-        assert e.value.retry_after_s >= 1
-        tasks.append(asyncio.create_task(wait("high2", 0)))
-        await asyncio.sleep(0)
+        assert a.stats().queued == 5
+        # one bound for all priorities: neither an old nor a new priority buys room
+        for prio in (5, 0, -7, 12345):
+            with pytest.raises(Overloaded) as e:
+                await a.acquire(prio)
+            assert e.value.retry_after_s >= 1
         assert a.stats().queued == 5
         for _ in range(5):
             a.release()
