@@ -15,12 +15,19 @@ from pdserve.gateway.convert import (
     logprobs_to_proto,
     timing_to_proto,
 )
-from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.errors import GatewayError, invalid
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prompts import Prompt, PromptProcessor
 from pdserve.gateway.registry import Role, WorkerRegistry
 from pdserve.gateway.request import GenerationRequest
-from pdserve.protocol import STOP, finish_to_proto, proto_fields
+from pdserve.protocol import (
+    MAX_TIMEOUT_S,
+    STOP,
+    ProtocolError,
+    check_timeout,
+    finish_to_proto,
+    proto_fields,
+)
 from pdserve.protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
@@ -54,9 +61,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prompt = Prompt(param, text=msg.text)
         ids = await p.prompt_ids(prompt)
         timeout = msg.timeout_s if msg.HasField("timeout_s") else None
-        if timeout is not None and timeout <= 0:
+        if timeout == 0:
             timeout = None  # the proto says: 0 means none
+        try:
+            timeout = check_timeout(timeout)
+        except ProtocolError as e:
+            raise invalid(e.message, e.field) from None
         if call_remaining_s is not None:
+            # a call deadline further out than the protocol allows is read as the maximum
+            call_remaining_s = min(call_remaining_s, MAX_TIMEOUT_S)
             timeout = call_remaining_s if timeout is None else min(timeout, call_remaining_s)
         return p.request(msg.request_id or None, ids, proto_fields(msg.sampling),
                          stop=list(msg.stop), priority=msg.priority, timeout_s=timeout,
