@@ -15,15 +15,14 @@ import numpy as np
 
 from pdserve.gateway.errors import GatewayError, invalid
 from pdserve.gateway.request import GenerationDelta, Usage
-from pdserve.protocol import ProtocolError, TokenLogprobs, check_timeout
+from pdserve.protocol import SAMPLING_FIELDS, ProtocolError, TokenLogprobs, check_timeout
 
 TokenText = Callable[[int], str]
 
 MAX_JSON_DEPTH = 32  # a chat request nests 4 deep; anything near this is an attack
 
-_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty")
-_INT_FIELDS = ("top_k", "seed", "min_tokens")
+# sampling fields OpenAI spells its own way (max_completion_tokens, chat's logprobs flag)
+_OWN_SPELLING = ("max_tokens", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -112,13 +111,6 @@ def _get(body: Mapping[str, Any], name: str, kind: str, default: Any = None) -> 
     return float(v) if kind == "number" else v
 
 
-def _int_list(v: Any, name: str) -> list[int]:
-    if not isinstance(v, list) or any(not isinstance(t, int) or isinstance(t, bool)
-                                      for t in v):
-        raise invalid(f"{name}: must be a list of integers", name)
-    return v
-
-
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     v = body.get("stop")
     if v is None:
@@ -150,11 +142,8 @@ def _common(body: Mapping[str, Any], timeout_header: str | None) -> dict[str, An
         raise invalid(f"n: only n=1 is supported, got {n}", "n")
     if _get(body, "best_of", "int", 1) != 1:
         raise invalid("best_of: only best_of=1 is supported", "best_of")
-    sampling: dict[str, Any] = {k: _get(body, k, "number") for k in _NUMBER_FIELDS}
-    sampling.update({k: _get(body, k, "int") for k in _INT_FIELDS})
-    sampling["ignore_eos"] = _get(body, "ignore_eos", "bool")
-    if body.get("stop_token_ids") is not None:
-        sampling["stop_token_ids"] = _int_list(body["stop_token_ids"], "stop_token_ids")
+    # passed as sent: SamplingParams checks types and ranges, naming the field
+    sampling = {k: body.get(k) for k in SAMPLING_FIELDS if k not in _OWN_SPELLING}
     opts = _get(body, "stream_options", "dict", {})
     stream = _get(body, "stream", "bool", False)
     return {"model": _get(body, "model", "str"), "sampling": sampling, "stop": _stop(body),
