@@ -33,8 +33,6 @@ from pdserve.metrics import CONTENT_TYPE, TierMetrics
 log = logging.getLogger("pdserve.gateway")
 
 MAX_BODY_BYTES = 4 * 2**20  # default of --max-body-bytes
-# a client that reads nothing for this long is gone: its request is cancelled at the worker
-WRITE_TIMEOUT_S = 30.0
 
 
 def error_response(e: GatewayError) -> web.Response:
@@ -52,7 +50,7 @@ class OpenAIServer:
     def __init__(self, prompts: PromptProcessor, orchestrator: Orchestrator,
                  registry: WorkerRegistry, metrics: TierMetrics,
                  is_serving: Callable[[], bool], max_body_bytes: int = MAX_BODY_BYTES,
-                 write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
+                 write_timeout_s: float = 30.0) -> None:
         self.prompts = prompts
         self.max_body_bytes = max_body_bytes
         self.write_timeout_s = write_timeout_s

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +55,45 @@ class _Trace:
     final: decode_pb2.TokenChunk | None = None
 
 
+class _Outbox:
+    """One request's deltas on their way to its client: at most `limit` wait unread. A
+    client that leaves them unread for `timeout_s` is dropped (CANCELLED), so a slow reader
+    holds a bounded buffer and its worker is told to stop."""
+
+    def __init__(self, limit: int, timeout_s: float) -> None:
+        self._q: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self.limit = limit
+        self.timeout_s = timeout_s
+
+    async def put(self, d: GenerationDelta) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while self._q.qsize() >= self.limit:
+                    self._room.clear()
+                    await self._room.wait()
+        except TimeoutError:
+            raise GatewayError(ErrorKind.CANCELLED, f"the client read nothing for "
+                               f"{self.timeout_s:g}s; request dropped") from None
+        self._q.put_nowait(d)
+
+    def fail(self, e: BaseException) -> None:
+        """The request's end as an error: never waits (one item past the limit at most)."""
+        self._q.put_nowait(e)
+
+    async def get(self) -> GenerationDelta | BaseException:
+        item = await self._q.get()
+        self._room.set()
+        return item
+
+
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, channels: WorkerChannels,
                  admission: AdmissionController, metrics: TierMetrics, tokenizer: Any | None,
-                 disagg_threshold: int = 0) -> None:
+                 disagg_threshold: int = 0, max_pending_deltas: int = 64,
+                 reader_timeout_s: float = 30.0) -> None:
+        self.max_pending_deltas = max_pending_deltas
+        self.reader_timeout_s = reader_timeout_s
         self.registry = registry
         self.channels = channels
         self.admission = admission
@@ -71,14 +106,14 @@ class Orchestrator:
     # -- the public entry -------------------------------------------------------------------
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Stream a request's deltas; raises GatewayError. Leaving early cancels it."""
-        q: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._run(req, q.put_nowait))
+        out = _Outbox(self.max_pending_deltas, self.reader_timeout_s)
+        task = asyncio.get_running_loop().create_task(self._run(req, out))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         ended = False
         try:
             while True:
-                item = await q.get()
+                item = await out.get()
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
@@ -96,7 +131,7 @@ class Orchestrator:
 
     # -- one request, in its own task -------------------------------------------------------
     async def _run(self, req: GenerationRequest,
-                   emit: Callable[[GenerationDelta | BaseException], None]) -> None:
+                   out: _Outbox) -> None:
         m = self.metrics
         try:
             try:
@@ -105,7 +140,7 @@ class Orchestrator:
                     t_admit = time.monotonic()
                     try:
                         trace = _Trace(gateway_queue_s=t_admit - req.arrival)
-                        await self._serve(req, trace, emit)
+                        await self._serve(req, trace, out.put)
                     finally:
                         self.admission.release(time.monotonic() - t_admit)
             except TimeoutError:
@@ -113,14 +148,14 @@ class Orchestrator:
                                    f"{req.timeout_s:g}s passed", "timeout") from None
         except GatewayError as e:
             m.error(e.code)
-            emit(e)
+            out.fail(e)
         except asyncio.CancelledError:
             m.error(grpc.StatusCode.CANCELLED.name)
             raise
         except Exception as e:  # a bug: the client still gets an explicit status
             log.exception("request %s failed", req.request_id)
             m.error(grpc.StatusCode.UNAVAILABLE.name)
-            emit(GatewayError(ErrorKind.UNAVAILABLE, f"internal error: {e}"))
+            out.fail(GatewayError(ErrorKind.UNAVAILABLE, f"internal error: {e}"))
 
     async def _admit(self, req: GenerationRequest) -> None:
         try:
@@ -130,7 +165,7 @@ class Orchestrator:
                                retry_after_s=e.retry_after_s) from None
 
     async def _serve(self, req: GenerationRequest, trace: _Trace,
-                     emit: Callable[[GenerationDelta], None]) -> None:
+                     emit: Callable[[GenerationDelta], Awaitable[None]]) -> None:
         decodes = self.registry.alive(Role.DECODE)
         if not decodes:
             raise GatewayError(ErrorKind.UNAVAILABLE, "no decode worker is available")
@@ -158,10 +193,10 @@ class Orchestrator:
                                                "the decode worker aborted the request")
                         text += out.finish()
                         trace.final = ch
-                    emit(self._finish(req, trace, text, ids, lps, reason, ch, timer))
+                    await emit(self._finish(req, trace, text, ids, lps, reason, ch, timer))
                     return
                 if ids or text:
-                    emit(GenerationDelta(text, ids, lps))
+                    await emit(GenerationDelta(text, ids, lps))
         raise GatewayError(ErrorKind.UNAVAILABLE, "the worker's stream ended unfinished")
 
     def _finish(self, req: GenerationRequest, trace: _Trace, text: str, ids: tuple[int, ...],

@@ -52,6 +52,8 @@ class GatewayConfig:
     heartbeat_timeout_s: float = 5.0
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_body_bytes: int = MAX_BODY_BYTES  # HTTP request bodies; larger ones get 413
+    # a client that reads none of its stream for this long is dropped, its request cancelled
+    reader_timeout_s: float = 30.0
     grace_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -64,6 +66,8 @@ class GatewayConfig:
             raise ValueError("heartbeat_timeout_s must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.reader_timeout_s <= 0:
+            raise ValueError("reader_timeout_s must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be >= 1024")
         object.__setattr__(self, "prefill", tuple(addresses(",".join(self.prefill))))
@@ -122,14 +126,16 @@ class Gateway:
         self.prompts = PromptProcessor(cfg.model, tokenizer, max_ctx,
                                        int(hf_config.vocab_size), cfg.default_max_tokens)
         self.orchestrator = Orchestrator(self.registry, self.channels, self.admission,
-                                         self.metrics, tokenizer, cfg.disagg_threshold)
+                                         self.metrics, tokenizer, cfg.disagg_threshold,
+                                         reader_timeout_s=cfg.reader_timeout_s)
         servicer = GatewayServicer(self.prompts, self.orchestrator, self.registry,
                                    heartbeat_interval_s=min(1.0, cfg.heartbeat_timeout_s / 3))
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self._server)
         await self._server.start()
 
         http = OpenAIServer(self.prompts, self.orchestrator, self.registry, self.metrics,
-                            lambda: self._serving, cfg.max_body_bytes)
+                            lambda: self._serving, cfg.max_body_bytes,
+                            cfg.reader_timeout_s)
         self._runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None,
                                      shutdown_timeout=cfg.grace_s)
         await self._runner.setup()

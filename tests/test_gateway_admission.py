@@ -195,3 +195,34 @@ def test_gateway_process_never_loads_torch(tiny_model_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_reader_that_stops_reading_is_dropped_and_its_worker_told(cluster):
+    from pdserve.gateway.errors import ErrorKind, GatewayError
+
+    gw = cluster.gateway
+    orch = gw.orchestrator
+    req = gw.prompts.request(None, list(range(100, 140)),
+                             {"max_tokens": 900, "ignore_eos": True, "temperature": 0})
+
+    async def main():
+        orch.max_pending_deltas, orch.reader_timeout_s = 2, 0.5
+        try:
+            deltas = orch.generate(req)
+            first = await anext(deltas)
+            await asyncio.sleep(1.5)  # read nothing: the outbox fills, then times out
+            rest, error = [], None
+            try:
+                async for d in deltas:
+                    rest.append(d)
+            except GatewayError as e:
+                error = e
+            return first, rest, error
+        finally:
+            orch.max_pending_deltas, orch.reader_timeout_s = 64, 30.0
+
+    first, rest, error = cluster.lt.run(main())
+    assert not first.finished
+    assert len(rest) <= 2, "more deltas waited unread than the outbox holds"
+    assert error is not None and error.kind is ErrorKind.CANCELLED
+    cluster.assert_no_leaks()
