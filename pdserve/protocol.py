@@ -187,18 +187,19 @@ class SamplingParams:
 
 
 SAMPLING_FIELDS = tuple(f for f in SamplingParams.__dataclass_fields__)
-# proto fields declared `optional`: unset means the default, not zero
-_OPTIONAL_PROTO_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                          "repetition_penalty", "logprobs")
+_PROTO_FIELDS = common_pb2.SamplingParams.DESCRIPTOR.fields
+assert {f.name for f in _PROTO_FIELDS} == set(SAMPLING_FIELDS), "proto and dataclass differ"
 
 
 def proto_fields(m: common_pb2.SamplingParams) -> dict[str, Any]:
-    """The message as `SamplingParams.from_fields` arguments (unset optional fields None)."""
-    out: dict[str, Any] = {name: getattr(m, name) if m.HasField(name) else None
-                           for name in _OPTIONAL_PROTO_FIELDS}
-    out.update(presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
-               stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-               min_tokens=m.min_tokens)
+    """The message as `SamplingParams.from_fields` arguments: an `optional` field left
+    unset is None (the default applies, not zero)."""
+    out: dict[str, Any] = {}
+    for f in _PROTO_FIELDS:
+        v = getattr(m, f.name)
+        if f.has_presence and not m.HasField(f.name):
+            v = None
+        out[f.name] = tuple(v) if f.is_repeated else v
     return out
 
 
