@@ -1,6 +1,11 @@
 """The OpenAI-compatible HTTP face of the gateway (aiohttp, on the gRPC server's loop):
 /v1/completions, /v1/chat/completions (SSE streaming when asked), /v1/models, /health,
-/metrics. Errors use OpenAI's JSON shape with the kind's HTTP status."""
+/metrics. Errors use OpenAI's JSON shape with the kind's HTTP status.
+
+Admission before work: a body over `max_body_bytes` is refused with 413 before it is read;
+JSON is depth-checked, parsed and its prompt tokenized on the prompt processor's thread
+pool, never on the event loop (so /health and every stream stay live); a streaming client
+that takes no bytes for `write_timeout_s` is dropped and its request cancelled."""
 
 from __future__ import annotations
 
