@@ -28,6 +28,7 @@ from pdserve.gateway.http_api import MAX_BODY_BYTES, OpenAIServer
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prompts import PromptProcessor
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry, addresses
+from pdserve.gateway.wire_check import MalformedRequests
 from pdserve.grpc_health import GrpcHealth
 from pdserve.metrics import TierMetrics
 from pdserve.protocol import DEFAULT_MAX_TOKENS
@@ -111,7 +112,8 @@ class Gateway:
     # -- life cycle -------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                       interceptors=[MalformedRequests()])
         self.health = GrpcHealth(self._server, (GATEWAY_SERVICE,))
         await self.health.set_serving(False)
         self.grpc_port = self._server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")

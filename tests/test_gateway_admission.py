@@ -229,3 +229,21 @@ def test_a_reader_that_stops_reading_is_dropped_and_its_worker_told(cluster):
     assert len(rest) <= 2, "more deltas waited unread than the outbox holds"
     assert error is not None and error.kind is ErrorKind.CANCELLED
     cluster.assert_no_leaks()
+
+
+def test_malformed_grpc_bytes_are_invalid_argument(cluster):
+    field = gateway_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
+    lone_surrogate = b"\xed\xa0\x80"  # UTF-8's encoding of U+D800, which UTF-8 forbids
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.gateway.grpc_address) as ch:
+            generate = ch.unary_stream("/pdserve.v1.Gateway/Generate",
+                                       request_serializer=lambda b: b,
+                                       response_deserializer=lambda b: b)
+            raw = bytes([(field << 3) | 2, len(lone_surrogate)]) + lone_surrogate
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                [r async for r in generate(raw, timeout=30)]
+            return e.value
+    err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "UTF-8" in err.details()
