@@ -24,13 +24,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from pdserve.convert import FINISH_REASONS, kv_spec_to_proto, logprobs_to_proto, sampling_from_proto
+from pdserve.convert import kv_spec_to_proto, logprobs_to_proto
 from pdserve.deadlines import STREAM_KEEPALIVE_S
 from pdserve.decode_worker.reservations import ReservationTable
 from pdserve.engine.async_engine import AsyncEngine, EngineFailed, RequestError
 from pdserve.engine.llm_engine import SeqDelta
 from pdserve.kvtransfer.shm import ShmSegmentPool, kv_bytes, offer_to_proto
 from pdserve.metrics import TierMetrics, TokenTimer
+from pdserve.protocol import ABORT, SamplingParams, finish_to_proto
 from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
@@ -47,12 +48,11 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         self.table = table
         self.metrics = metrics
         self._stats = stats
-        self.default_max_tokens = 16
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
         try:
-            params = sampling_from_proto(request.sampling, self.default_max_tokens)
+            params = SamplingParams.from_proto(request.sampling)
             rid, nblocks, secret = await self.table.reserve(
                 request.request_id or uuid.uuid4().hex, list(request.prompt_token_ids), params)
         except ValueError as e:
@@ -93,7 +93,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         request_id = request.request_id or uuid.uuid4().hex
         timer = TokenTimer(self.metrics, time.monotonic())
         try:
-            params = sampling_from_proto(request.sampling, self.default_max_tokens)
+            params = SamplingParams.from_proto(request.sampling)
             await self.aengine.add_request(request_id, list(request.prompt_token_ids), params)
         except ValueError as e:
             self.metrics.error("INVALID_ARGUMENT")
@@ -149,9 +149,9 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                 num_prompt_tokens=d.num_prompt_tokens, num_output_tokens=d.num_output_tokens,
                 num_cached_tokens=d.num_cached_tokens)
             if d.finished:
-                chunk.finish_reason = FINISH_REASONS[d.finish_reason]
+                chunk.finish_reason = finish_to_proto(d.finish_reason or ABORT)
                 chunk.timing.CopyFrom(self._timing(d, timer, reservation_id))
-                self._finished(timer, d.finish_reason or "abort")
+                self._finished(timer, d.finish_reason or ABORT)
             yield chunk
 
     def _finished(self, timer: TokenTimer, reason: str) -> None:

@@ -15,6 +15,7 @@ import signal
 import sys
 
 from pdserve.cluster_auth import add_credential_args, credentials_from_args
+from pdserve.engine.model_files import hide_torch, resolve_model
 from pdserve.gateway.server import Gateway, GatewayConfig
 
 _D = GatewayConfig(model="")
@@ -51,8 +52,11 @@ def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentPa
                         "0 always disaggregates (default 0). Without prefill workers every "
                         "request runs colocated")
     p.add_argument("--max-queue", type=int, default=_D.max_queue, metavar="N",
-                   help="requests waiting for admission at each priority; more are "
+                   help="requests waiting for admission, all priorities together; more are "
                         f"refused with 429 / RESOURCE_EXHAUSTED (default {_D.max_queue})")
+    p.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes, metavar="N",
+                   help="largest HTTP request body; larger ones are refused with 413 before "
+                        f"they are read (default {_D.max_body_bytes})")
     p.add_argument("--max-inflight", type=int, default=_D.max_inflight, metavar="N",
                    help=f"requests in flight to the workers at once (default {_D.max_inflight})")
     p.add_argument("--heartbeat-timeout", type=float, default=_D.heartbeat_timeout_s,
@@ -85,7 +89,8 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         decode=tuple(filter(None, a.decode.split(","))), disagg_threshold=a.disagg_threshold,
         max_queue=a.max_queue, max_inflight=a.max_inflight,
         heartbeat_timeout_s=a.heartbeat_timeout, default_max_tokens=a.default_max_tokens,
-        grace_s=a.grace, rpc_timeout_s=a.rpc_timeout, stream_idle_s=a.stream_idle_timeout)
+        max_body_bytes=a.max_body_bytes, grace_s=a.grace, rpc_timeout_s=a.rpc_timeout,
+        stream_idle_s=a.stream_idle_timeout)
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -105,9 +110,14 @@ def run(a: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 2 for a bad flag value. Logging is the caller's."""
     try:
         config = config_from_args(a)
+        source = resolve_model(config.model)
     except (ValueError, OSError) as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
+    if source.gguf_file is None:
+        # this process runs no model: keep transformers from loading torch for the config
+        # and tokenizer (it reads a GGUF file's tokenizer through torch, though)
+        hide_torch()
     asyncio.run(serve(config))
     return 0
 

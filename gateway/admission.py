@@ -1,9 +1,9 @@
 """Admission: how many requests the gateway lets through to the workers, and in what order.
 
-A request either gets one of `max_inflight` slots at once, or waits in the queue of its
-priority (lower number = served first, FIFO within a priority); each priority's queue holds
-at most `max_queue` requests, so a flood at one priority never refuses another, and a
-request arriving to its full queue is refused at once with a retry hint (`Overloaded`).
+A request either gets one of `max_inflight` slots at once, or waits in line: lower priority
+number served first, FIFO within a priority. At most `max_queue` requests wait in all,
+whatever their priorities (priority orders the line; it does not buy room in it), and a
+request arriving to a full line is refused at once with a retry hint (`Overloaded`).
 A waiting request whose deadline passes leaves the queue with `asyncio.TimeoutError`; one
 that is cancelled leaves it too. A slot is returned with
 `release()` (the `slot()` context manager does both), and goes to the next waiting request.
@@ -63,7 +63,7 @@ class AdmissionController:
         if self.num_inflight < self.max_inflight and self._num_queued == 0:
             self.num_inflight += 1
             return
-        if len(self._queues.get(priority, ())) >= self.max_queue:
+        if self._num_queued >= self.max_queue:
             raise Overloaded(self.retry_after_s())
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queues.setdefault(priority, collections.deque()).append(fut)

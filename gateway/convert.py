@@ -1,33 +1,15 @@
-"""Translations between the protos and the gateway's dataclasses (no logic). What the
-workers share (sampling params, finish reasons, KV layout) comes from `pdserve.convert`."""
+"""Translations between the protos and the gateway's dataclasses (no logic). Sampling
+parameters and finish reasons convert in `pdserve.protocol`; logprobs and the KV layout in
+`pdserve.convert`, shared with the workers."""
 
 from __future__ import annotations
 
 from pdserve import convert as shared
-from pdserve.engine.kv_cache import KVCacheSpec
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.gateway.registry import Load
 from pdserve.gateway.request import RequestTiming
+from pdserve.protocol import TokenLogprobs
 from pdserve.protos.pdserve.v1 import common_pb2
-
-sampling_to_proto = shared.sampling_to_proto
-FINISH_REASONS = {k: v for k, v in shared.FINISH_REASON_NAMES.items() if v is not None}
-FINISH_TO_PROTO = {k: v for k, v in shared.FINISH_REASONS.items() if k is not None}
-
-
-def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict:
-    """Proto fields as SamplingParams keyword arguments; unset optional fields are None, so
-    the gateway can apply its own defaults (max_tokens depends on the prompt's length)."""
-    out: dict = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                 "repetition_penalty", "logprobs"):
-        out[name] = getattr(msg, name) if msg.HasField(name) else None
-    out["presence_penalty"] = msg.presence_penalty
-    out["frequency_penalty"] = msg.frequency_penalty
-    out["stop_token_ids"] = list(msg.stop_token_ids)
-    out["ignore_eos"] = msg.ignore_eos
-    out["min_tokens"] = msg.min_tokens
-    return out
 
 
 def logprobs_from_proto(items) -> tuple[TokenLogprobs, ...]:

@@ -12,6 +12,7 @@ class ErrorKind(enum.Enum):
     # value: (gRPC status, HTTP status, OpenAI error type)
     INVALID = (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")
     UNKNOWN_MODEL = (grpc.StatusCode.INVALID_ARGUMENT, 404, "invalid_request_error")
+    TOO_LARGE = (grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error")
     OVERLOADED = (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error")
     DEADLINE = (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error")
@@ -55,12 +56,6 @@ def invalid(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(ErrorKind.INVALID, message, param)
 
 
-def param_of(message: str) -> str | None:
-    """The field a validation message starts with: 'top_p must be ...' -> 'top_p'."""
-    head = message.split(" ", 1)[0].rstrip(":")
-    return head if head.replace("_", "").isalnum() and head.islower() else None
-
-
 _FROM_WORKER = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID,
     grpc.StatusCode.OUT_OF_RANGE: ErrorKind.INVALID,
@@ -73,9 +68,10 @@ _FROM_WORKER = {
 
 def from_worker_status(code: grpc.StatusCode, details: str | None, who: str) -> GatewayError:
     """A worker RPC's failure as the client sees it. Anything that is not the client's fault
-    or a capacity/deadline matter means the worker could not serve it: UNAVAILABLE."""
+    or a capacity/deadline matter means the worker could not serve it: UNAVAILABLE. No
+    `param`: the gateway validated every client field before any worker saw it."""
     kind = _FROM_WORKER.get(code, ErrorKind.UNAVAILABLE)
     msg = details or code.name
     if kind in (ErrorKind.UNAVAILABLE, ErrorKind.INTERNAL):
         msg = f"{who} failed ({code.name}): {msg}"
-    return GatewayError(kind, msg, param_of(msg) if kind is ErrorKind.INVALID else None)
+    return GatewayError(kind, msg)

@@ -10,17 +10,23 @@ import time
 import grpc
 
 from pdserve.gateway.convert import (
-    FINISH_TO_PROTO,
     logprobs_to_proto,
-    sampling_fields_from_proto,
     timing_to_proto,
 )
-from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.errors import GatewayError, invalid
 from pdserve.gateway.orchestrator import Orchestrator
-from pdserve.gateway.prompts import PromptProcessor
+from pdserve.gateway.prompts import Prompt, PromptProcessor
 from pdserve.gateway.registry import Role, WorkerRegistry
 from pdserve.gateway.request import GenerationRequest
-from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.protocol import (
+    MAX_TIMEOUT_S,
+    STOP,
+    ProtocolError,
+    check_timeout,
+    finish_to_proto,
+    proto_fields,
+)
+from pdserve.protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -30,8 +36,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.orchestrator = orchestrator
         self.registry = registry
 
-    def build_request(self, msg: gateway_pb2.GenerateRequest,
-                      call_remaining_s: float | None) -> GenerationRequest:
+    async def build_request(self, msg: gateway_pb2.GenerateRequest,
+                            call_remaining_s: float | None) -> GenerationRequest:
         """GatewayError(INVALID) for a bad request."""
         arrival = time.monotonic()
         p = self.prompts
@@ -39,33 +45,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         kind = msg.WhichOneof("prompt")
         param = {"chat": "chat", "token_ids": "token_ids"}.get(kind or "", "text")
         if kind == "chat":
-            ids = p.render_chat([{"role": m.role, "content": m.content}
-                                 for m in msg.chat.messages])
+            prompt = Prompt(param, messages=tuple({"role": m.role, "content": m.content}
+                                                  for m in msg.chat.messages))
         elif kind == "token_ids":
-            ids = list(msg.token_ids.ids)
+            prompt = Prompt(param, token_ids=tuple(msg.token_ids.ids))
         else:
-            ids = p.encode_text(msg.text, "text")
+            prompt = Prompt(param, text=msg.text)
+        ids = await p.prompt_ids(prompt)
         timeout = msg.timeout_s if msg.HasField("timeout_s") else None
-        if timeout is not None and timeout <= 0:
+        if timeout == 0:
             timeout = None  # the proto says: 0 means none
+        try:
+            timeout = check_timeout(timeout)
+        except ProtocolError as e:
+            raise invalid(e.message, e.field) from None
         if call_remaining_s is not None:
+            # a call deadline further out than the protocol allows is read as the maximum
+            call_remaining_s = min(call_remaining_s, MAX_TIMEOUT_S)
             timeout = call_remaining_s if timeout is None else min(timeout, call_remaining_s)
-        return p.request(msg.request_id or None, ids, sampling_fields_from_proto(msg.sampling),
+        return p.request(msg.request_id or None, ids, proto_fields(msg.sampling),
                          stop=list(msg.stop), priority=msg.priority, timeout_s=timeout,
                          prompt_param=param, arrival=arrival)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
         try:
-            req = self.build_request(request, context.time_remaining())
+            req = await self.build_request(request, context.time_remaining())
             async with contextlib.aclosing(self.orchestrator.generate(req)) as deltas:
                 async for d in deltas:
                     out = gateway_pb2.GenerateResponse(
                         request_id=req.request_id, text=d.text, token_ids=d.token_ids,
                         logprobs=logprobs_to_proto(d.logprobs))
                     if d.finished:
-                        out.finish_reason = FINISH_TO_PROTO.get(
-                            d.finish_reason or "", common_pb2.FINISH_REASON_STOP)
+                        out.finish_reason = finish_to_proto(d.finish_reason or STOP)
                         if d.usage is not None:
                             out.usage.CopyFrom(gateway_pb2.Usage(
                                 prompt_tokens=d.usage.prompt_tokens,

@@ -1,9 +1,15 @@
 """The OpenAI-compatible HTTP face of the gateway (aiohttp, on the gRPC server's loop):
 /v1/completions, /v1/chat/completions (SSE streaming when asked), /v1/models, /health,
-/metrics. Errors use OpenAI's JSON shape with the kind's HTTP status."""
+/metrics. Errors use OpenAI's JSON shape with the kind's HTTP status.
+
+Admission before work: a body over `max_body_bytes` is refused with 413 before it is read;
+JSON is depth-checked, parsed and its prompt tokenized on the prompt processor's thread
+pool, never on the event loop (so /health and every stream stay live); a streaming client
+that takes no bytes for `write_timeout_s` is dropped and its request cancelled."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -14,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.gateway.errors import GatewayError
+from pdserve.gateway.errors import ErrorKind, GatewayError
 from pdserve.gateway.openai_protocol import (
     OpenAIRequest,
     Renderer,
@@ -24,14 +30,14 @@ from pdserve.gateway.openai_protocol import (
     parse_completion,
 )
 from pdserve.gateway.orchestrator import Orchestrator
-from pdserve.gateway.prompts import PromptProcessor
+from pdserve.gateway.prompts import Prompt, PromptProcessor
 from pdserve.gateway.registry import Role, WorkerRegistry
 from pdserve.gateway.request import GenerationDelta
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
 
 log = logging.getLogger("pdserve.gateway")
 
-MAX_BODY_BYTES = 64 * 2**20
+MAX_BODY_BYTES = 4 * 2**20  # default of --max-body-bytes
 
 
 def error_response(e: GatewayError) -> web.Response:
@@ -48,8 +54,11 @@ def _sse(obj: Any) -> bytes:
 class OpenAIServer:
     def __init__(self, prompts: PromptProcessor, orchestrator: Orchestrator,
                  registry: WorkerRegistry, metrics: TierMetrics,
-                 is_serving: Callable[[], bool]) -> None:
+                 is_serving: Callable[[], bool], max_body_bytes: int = MAX_BODY_BYTES,
+                 write_timeout_s: float = 30.0) -> None:
         self.prompts = prompts
+        self.max_body_bytes = max_body_bytes
+        self.write_timeout_s = write_timeout_s
         self.orchestrator = orchestrator
         self.registry = registry
         self.metrics = metrics
@@ -59,7 +68,7 @@ class OpenAIServer:
             (lambda t: tok.decode([t])) if tok is not None else str)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -96,19 +105,20 @@ class OpenAIServer:
                         parse: Callable[[dict, str | None], OpenAIRequest]
                         ) -> web.StreamResponse:
         arrival = time.monotonic()
+        p = self.prompts
         try:
-            oreq = parse(decode_body(await request.read()),
-                         request.headers.get("X-Request-Timeout"))
-            p = self.prompts
+            body = await self._body(request)
+            oreq = parse(body, request.headers.get("X-Request-Timeout"))
             p.check_model(oreq.model)
             if oreq.chat:
-                ids, param = p.render_chat(oreq.messages), "messages"
+                prompt = Prompt("messages", messages=oreq.messages)
             elif oreq.prompt_text is not None:
-                ids, param = p.encode_text(oreq.prompt_text), "prompt"
+                prompt = Prompt("prompt", text=oreq.prompt_text)
             else:
-                ids, param = list(oreq.prompt_token_ids or ()), "prompt"
-            req = p.request(oreq.request_id, ids, oreq.sampling, oreq.stop, oreq.priority,
-                            oreq.timeout_s, prompt_param=param, arrival=arrival)
+                prompt = Prompt("prompt", token_ids=oreq.prompt_token_ids or ())
+            req = p.request(oreq.request_id, await p.prompt_ids(prompt), oreq.sampling,
+                            oreq.stop, oreq.priority, oreq.timeout_s,
+                            prompt_param=prompt.param, arrival=arrival)
         except GatewayError as e:
             return error_response(e)
         render = Renderer(oreq, req.request_id, self.prompts.card.model_id, int(time.time()),
@@ -121,6 +131,27 @@ class OpenAIServer:
             except GatewayError as e:
                 return error_response(e)
             return web.json_response(render.full(out))
+
+    async def _body(self, request: web.Request) -> dict:
+        """The JSON body, refused before it is read when it says it is too big, and parsed
+        off the event loop."""
+        limit = self.max_body_bytes
+        too_big = GatewayError(ErrorKind.TOO_LARGE,
+                               f"body: larger than this gateway's limit of {limit} bytes",
+                               "body")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_big
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body that kept going
+            raise too_big from None
+        return await asyncio.get_running_loop().run_in_executor(
+            self.prompts.executor, decode_body, raw)
+
+    async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
+        """A write the client must take within the write timeout (TimeoutError if not)."""
+        async with asyncio.timeout(self.write_timeout_s):
+            await resp.write(data)
 
     async def _stream(self, request: web.Request, deltas: AsyncIterator[GenerationDelta],
                       render: Renderer) -> web.StreamResponse:
@@ -136,16 +167,23 @@ class OpenAIServer:
         d: GenerationDelta | None = first
         is_first = True
         try:
-            while d is not None:
-                await resp.write(_sse(render.chunk(d, is_first)))
-                is_first = False
-                if d.finished:
-                    if render.req.include_usage and d.usage is not None:
-                        await resp.write(_sse(render.usage_chunk(d.usage)))
-                    break
-                d = await anext(deltas, None)
-        except GatewayError as e:  # headers are sent: the error goes in the stream
-            await resp.write(_sse(error_json(e)))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            try:
+                while d is not None:
+                    await self._write(resp, _sse(render.chunk(d, is_first)))
+                    is_first = False
+                    if d.finished:
+                        if render.req.include_usage and d.usage is not None:
+                            await self._write(resp, _sse(render.usage_chunk(d.usage)))
+                        break
+                    d = await anext(deltas, None)
+            except GatewayError as e:  # headers are sent: the error goes in the stream
+                await self._write(resp, _sse(error_json(e)))
+            await self._write(resp, b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except TimeoutError:
+            # a reader this slow would grow our buffers without bound: drop it (leaving
+            # `deltas` cancels the request at its worker)
+            log.info("request %s: client stopped reading; cancelled", render.id)
+            if request.transport is not None:
+                request.transport.abort()
         return resp

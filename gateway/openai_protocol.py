@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.sequence import TokenLogprobs
+import numpy as np
+
 from pdserve.gateway.errors import GatewayError, invalid
 from pdserve.gateway.request import GenerationDelta, Usage
+from pdserve.protocol import SAMPLING_FIELDS, ProtocolError, TokenLogprobs, check_timeout
 
 TokenText = Callable[[int], str]
 
-_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty")
-_INT_FIELDS = ("top_k", "seed", "min_tokens")
+MAX_JSON_DEPTH = 32  # a chat request nests 4 deep; anything near this is an attack
+
+# sampling fields OpenAI spells its own way (max_completion_tokens, chat's logprobs flag)
+_OWN_SPELLING = ("max_tokens", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -39,11 +43,46 @@ class OpenAIRequest:
 
 
 # -- parsing ---------------------------------------------------------------------------------
-def decode_body(raw: bytes) -> dict:
+# a JSON string, escapes included (the unrolled form keeps the regex linear)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NESTING = np.zeros(256, np.int8)
+_NESTING[[ord("["), ord("{")]] = 1
+_NESTING[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply arrays and objects nest in `raw`, found without parsing it (strings are
+    blanked first, so brackets inside them do not count)."""
+    steps = _NESTING[np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def _check_text(v: Any, path: str) -> None:
+    """Every string can be encoded as UTF-8 (JSON escapes can spell lone surrogates)."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise invalid(f"{path}: contains a lone surrogate (\\u{ord(v[e.start]):04x} at "
+                          f"character {e.start}), which is not text",
+                          path.split("[", 1)[0].split(".", 1)[0]) from None
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_text(k, path)
+            _check_text(x, f"{path}.{k}" if path else str(k))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _check_text(x, f"{path}[{i}]")
+
+
+def decode_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """The request body as a dict. CPU-bound for big bodies: call it off the event loop."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise invalid(f"body: not valid UTF-8 ({e.reason} at byte {e.start})", "body") from e
+    if json_depth(raw) > max_depth:
+        raise invalid(f"body: JSON nests deeper than {max_depth} levels", "body")
     try:
         body = json.loads(text)
     except json.JSONDecodeError as e:
@@ -51,6 +90,7 @@ def decode_body(raw: bytes) -> dict:
                       "body") from e
     if not isinstance(body, dict):
         raise invalid("body: must be a JSON object", "body")
+    _check_text(body, "")
     return body
 
 
@@ -69,13 +109,6 @@ def _get(body: Mapping[str, Any], name: str, kind: str, default: Any = None) -> 
         article = "an" if kind[0] in "aeiou" else "a"
         raise invalid(f"{name}: must be {article} {kind}, got {json.dumps(v)[:40]}", name)
     return float(v) if kind == "number" else v
-
-
-def _int_list(v: Any, name: str) -> list[int]:
-    if not isinstance(v, list) or any(not isinstance(t, int) or isinstance(t, bool)
-                                      for t in v):
-        raise invalid(f"{name}: must be a list of integers", name)
-    return v
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -97,9 +130,10 @@ def _timeout(body: Mapping[str, Any], header: str | None) -> float | None:
         except ValueError:
             raise invalid(f"timeout: X-Request-Timeout {header!r} is not a number of seconds",
                           "timeout") from None
-    if t is not None and not (math.isfinite(t) and t > 0):
-        raise invalid(f"timeout: must be > 0 seconds, got {t}", "timeout")
-    return t
+    try:
+        return check_timeout(t)
+    except ProtocolError as e:
+        raise invalid(e.message, e.field) from None
 
 
 def _common(body: Mapping[str, Any], timeout_header: str | None) -> dict[str, Any]:
@@ -108,11 +142,8 @@ def _common(body: Mapping[str, Any], timeout_header: str | None) -> dict[str, An
         raise invalid(f"n: only n=1 is supported, got {n}", "n")
     if _get(body, "best_of", "int", 1) != 1:
         raise invalid("best_of: only best_of=1 is supported", "best_of")
-    sampling: dict[str, Any] = {k: _get(body, k, "number") for k in _NUMBER_FIELDS}
-    sampling.update({k: _get(body, k, "int") for k in _INT_FIELDS})
-    sampling["ignore_eos"] = _get(body, "ignore_eos", "bool")
-    if body.get("stop_token_ids") is not None:
-        sampling["stop_token_ids"] = _int_list(body["stop_token_ids"], "stop_token_ids")
+    # passed as sent: SamplingParams checks types and ranges, naming the field
+    sampling = {k: body.get(k) for k in SAMPLING_FIELDS if k not in _OWN_SPELLING}
     opts = _get(body, "stream_options", "dict", {})
     stream = _get(body, "stream", "bool", False)
     return {"model": _get(body, "model", "str"), "sampling": sampling, "stop": _stop(body),

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +40,13 @@ from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S, DEFAULT_STREAM_IDLE_S, call
 from pdserve.gateway import router
 from pdserve.gateway.admission import AdmissionController, Overloaded
 from pdserve.gateway.channels import WorkerChannels
-from pdserve.gateway.convert import FINISH_REASONS, logprobs_from_proto, sampling_to_proto
+from pdserve.gateway.convert import logprobs_from_proto
 from pdserve.gateway.errors import ErrorKind, GatewayError, from_worker_status
 from pdserve.gateway.output import TextOutput
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry
 from pdserve.gateway.request import GenerationDelta, GenerationRequest, RequestTiming, Usage
 from pdserve.metrics import TierMetrics, TokenTimer
+from pdserve.protocol import ABORT, STOP, finish_from_proto
 from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.gateway")
@@ -69,11 +70,46 @@ class _Trace:
     final: decode_pb2.TokenChunk | None = None
 
 
+class _Outbox:
+    """One request's deltas on their way to its client: at most `limit` wait unread. A
+    client that leaves them unread for `timeout_s` is dropped (CANCELLED), so a slow reader
+    holds a bounded buffer and its worker is told to stop."""
+
+    def __init__(self, limit: int, timeout_s: float) -> None:
+        self._q: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self.limit = limit
+        self.timeout_s = timeout_s
+
+    async def put(self, d: GenerationDelta) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while self._q.qsize() >= self.limit:
+                    self._room.clear()
+                    await self._room.wait()
+        except TimeoutError:
+            raise GatewayError(ErrorKind.CANCELLED, f"the client read nothing for "
+                               f"{self.timeout_s:g}s; request dropped") from None
+        self._q.put_nowait(d)
+
+    def fail(self, e: BaseException) -> None:
+        """The request's end as an error: never waits (one item past the limit at most)."""
+        self._q.put_nowait(e)
+
+    async def get(self) -> GenerationDelta | BaseException:
+        item = await self._q.get()
+        self._room.set()
+        return item
+
+
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, channels: WorkerChannels,
                  admission: AdmissionController, metrics: TierMetrics, tokenizer: Any | None,
                  disagg_threshold: int = 0, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
-                 stream_idle_s: float = DEFAULT_STREAM_IDLE_S) -> None:
+                 stream_idle_s: float = DEFAULT_STREAM_IDLE_S, max_pending_deltas: int = 64,
+                 reader_timeout_s: float = 30.0) -> None:
+        self.max_pending_deltas = max_pending_deltas
+        self.reader_timeout_s = reader_timeout_s
         self.registry = registry
         self.channels = channels
         self.admission = admission
@@ -88,14 +124,14 @@ class Orchestrator:
     # -- the public entry -------------------------------------------------------------------
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Stream a request's deltas; raises GatewayError. Leaving early cancels it."""
-        q: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._run(req, q.put_nowait))
+        out = _Outbox(self.max_pending_deltas, self.reader_timeout_s)
+        task = asyncio.get_running_loop().create_task(self._run(req, out))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         ended = False
         try:
             while True:
-                item = await q.get()
+                item = await out.get()
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
@@ -112,8 +148,7 @@ class Orchestrator:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
     # -- one request, in its own task -------------------------------------------------------
-    async def _run(self, req: GenerationRequest,
-                   emit: Callable[[GenerationDelta | BaseException], None]) -> None:
+    async def _run(self, req: GenerationRequest, out: _Outbox) -> None:
         m = self.metrics
         try:
             try:
@@ -122,7 +157,7 @@ class Orchestrator:
                     t_admit = time.monotonic()
                     try:
                         trace = _Trace(gateway_queue_s=t_admit - req.arrival)
-                        await self._serve(req, trace, emit)
+                        await self._serve(req, trace, out.put)
                     finally:
                         self.admission.release(time.monotonic() - t_admit)
             except TimeoutError:
@@ -130,14 +165,14 @@ class Orchestrator:
                                    f"{req.timeout_s:g}s passed", "timeout") from None
         except GatewayError as e:
             m.error(e.code)
-            emit(e)
+            out.fail(e)
         except asyncio.CancelledError:
             m.error(grpc.StatusCode.CANCELLED.name)
             raise
         except Exception as e:  # a bug: the client still gets an explicit status
             log.exception("request %s (cluster id %s) failed", req.request_id, req.cluster_id)
             m.error(grpc.StatusCode.INTERNAL.name)
-            emit(GatewayError(ErrorKind.INTERNAL, f"internal error: {e}"))
+            out.fail(GatewayError(ErrorKind.INTERNAL, f"internal error: {e}"))
 
     async def _admit(self, req: GenerationRequest) -> None:
         try:
@@ -147,7 +182,7 @@ class Orchestrator:
                                retry_after_s=e.retry_after_s) from None
 
     async def _serve(self, req: GenerationRequest, trace: _Trace,
-                     emit: Callable[[GenerationDelta], None]) -> None:
+                     emit: Callable[[GenerationDelta], Awaitable[None]]) -> None:
         decodes = self.registry.alive(Role.DECODE)
         if not decodes:
             raise GatewayError(ErrorKind.UNAVAILABLE, "no decode worker is available")
@@ -169,16 +204,16 @@ class Orchestrator:
                     if out.stopped:
                         reason = "stop"  # leaving the loop cancels the request at D
                     else:
-                        reason = FINISH_REASONS.get(ch.finish_reason, "stop")
-                        if reason == "abort":
+                        reason = finish_from_proto(ch.finish_reason) or STOP
+                        if reason == ABORT:
                             raise GatewayError(ErrorKind.UNAVAILABLE,
                                                "the decode worker aborted the request")
                         text += out.finish()
                         trace.final = ch
-                    emit(self._finish(req, trace, text, ids, lps, reason, ch, timer))
+                    await emit(self._finish(req, trace, text, ids, lps, reason, ch, timer))
                     return
                 if ids or text:
-                    emit(GenerationDelta(text, ids, lps))
+                    await emit(GenerationDelta(text, ids, lps))
         raise GatewayError(ErrorKind.UNAVAILABLE, "the worker's stream ended unfinished")
 
     def _finish(self, req: GenerationRequest, trace: _Trace, text: str, ids: tuple[int, ...],
@@ -259,7 +294,7 @@ class Orchestrator:
                          ) -> AsyncIterator[decode_pb2.TokenChunk]:
         msg = decode_pb2.ColocatedGenerateRequest(
             request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_to_proto(req.params))
+            sampling=req.params.to_proto())
         last: GatewayError | None = None
         for w in router.rank_decode(decodes, len(req.prompt_token_ids), self.inflight):
             call = self.channels.get(w.address).decode.Generate(
@@ -292,7 +327,7 @@ class Orchestrator:
                        ) -> tuple[Worker, decode_pb2.ReserveResponse]:
         msg = decode_pb2.ReserveRequest(request_id=req.cluster_id,
                                         prompt_token_ids=req.prompt_token_ids,
-                                        sampling=sampling_to_proto(req.params))
+                                        sampling=req.params.to_proto())
         last: GatewayError | None = None
         for w in router.rank_decode(decodes, len(req.prompt_token_ids), self.inflight):
             # counted from the moment it is chosen, not once the reservation returns: requests
@@ -325,7 +360,8 @@ class Orchestrator:
                        ) -> prefill_pb2.PrefillResponse:
         msg = prefill_pb2.PrefillRequest(
             request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_to_proto(req.params), decode_address=d.address,
+            # max_tokens goes to the decode worker only: prefill samples the first token
+            sampling=req.params.to_proto(with_max_tokens=False), decode_address=d.address,
             reservation_id=resv.reservation_id, reserved_blocks=resv.num_blocks,
             decode_kv_spec=resv.kv_spec, reservation_secret=resv.reservation_secret)
         if resv.HasField("shm"):  # the decode worker's same-host shared-memory offer

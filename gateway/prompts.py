@@ -1,24 +1,32 @@
 """The model as the gateway knows it: tokenizer, chat template, context length, and the
 validation that turns client fields into a `GenerationRequest` (both client APIs call this,
-so a field is checked one way, with the same message naming it)."""
+so a field is checked one way, with the same message naming it).
+
+Tokenizing and templating run on a small thread pool (`prompt_ids`), never on the event
+loop: a long prompt must not stall /health, other requests' streams or heartbeats.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.gateway.errors import ErrorKind, GatewayError, invalid, param_of
+from pdserve.engine.model_files import chat_text
+from pdserve.gateway.errors import ErrorKind, GatewayError, invalid
 from pdserve.gateway.request import GenerationRequest
-
-# SamplingParams fields a client may set; None means "unset" (the default applies).
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                   "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-                   "stop_token_ids", "ignore_eos", "min_tokens")
+from pdserve.protocol import (
+    MAX_STOP_STRINGS,
+    ProtocolError,
+    SamplingParams,
+    check_priority,
+    check_timeout,
+)
 
 
 @dataclass(frozen=True)
@@ -28,13 +36,28 @@ class ModelCard:
     vocab_size: int
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """What a client sent as its prompt, before tokenization; `param` names its field."""
+
+    param: str
+    text: str | None = None
+    messages: tuple[Mapping[str, str], ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
 class PromptProcessor:
     def __init__(self, model_id: str, tokenizer: Any | None, max_context_tokens: int,
-                 vocab_size: int, default_max_tokens: int) -> None:
+                 vocab_size: int, default_max_tokens: int, tokenizer_threads: int = 2) -> None:
         self.card = ModelCard(model_id, max_context_tokens, vocab_size)
         self.tokenizer = tokenizer
         self.default_max_tokens = default_max_tokens
         self._aliases = {model_id, os.path.basename(model_id.rstrip("/")), ""}
+        # tokenizing, templating and JSON parsing: CPU work kept off the event loop
+        self.executor = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- model ------------------------------------------------------------------------------
     def is_model(self, model: str) -> bool:
@@ -48,6 +71,17 @@ class PromptProcessor:
                            f"{self.card.model_id!r}", "model")
 
     # -- prompt -----------------------------------------------------------------------------
+    async def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, tokenized off the event loop. GatewayError(INVALID)."""
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
+        if prompt.messages is not None:
+            fn, arg = self.render_chat, prompt.messages
+        else:
+            fn, arg = self.encode_text, prompt.text or ""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, arg,
+                                                                 prompt.param)
+
     def encode_text(self, text: str, param: str = "prompt") -> list[int]:
         if self.tokenizer is None:
             raise invalid(f"{param}: this model has no tokenizer; send token ids", param)
@@ -55,16 +89,14 @@ class PromptProcessor:
             raise invalid(f"{param}: must not be empty", param)
         return list(self.tokenizer.encode(text))
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, str]], param: str = "messages"
+                    ) -> list[int]:
         if not messages:
-            raise invalid("messages: must contain at least one message", "messages")
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise invalid("messages: this model has no chat template", "messages")
+            raise invalid(f"{param}: must contain at least one message", param)
         try:
-            text = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja raises for roles or orders a template refuses
-            raise invalid(f"messages: the chat template refused them: {e}", "messages") from e
+            text = chat_text(self.tokenizer, [dict(m) for m in messages])
+        except ValueError as e:
+            raise invalid(f"{param}: {e}", param) from e
         return list(self.tokenizer.encode(text))
 
     def check_token_ids(self, ids: Sequence[int], param: str = "prompt") -> list[int]:
@@ -79,29 +111,31 @@ class PromptProcessor:
     # -- the request ------------------------------------------------------------------------
     def sampling(self, fields: Mapping[str, Any], num_prompt_tokens: int,
                  prompt_param: str = "prompt") -> SamplingParams:
+        """The request's one SamplingParams: max_tokens resolved against the context left
+        (unset: the default, capped by it; set: refused when it does not fit)."""
         ctx = self.card.max_context_tokens
         if num_prompt_tokens >= ctx:
             raise invalid(f"{prompt_param}: {num_prompt_tokens} tokens do not fit the model's "
                           f"context of {ctx} tokens (prompt + at least one output token)",
                           prompt_param)
-        kw = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS and v is not None}
         room = ctx - num_prompt_tokens
-        if "max_tokens" not in kw:
-            kw["max_tokens"] = min(self.default_max_tokens, room)
-        elif isinstance(kw["max_tokens"], int) and kw["max_tokens"] > room:
-            raise invalid(f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
-                          f"({kw['max_tokens']}) exceeds the model's context of {ctx} tokens",
-                          "max_tokens")
-        if kw.get("top_k") == 0:
-            kw["top_k"] = -1
-        if any(not isinstance(t, int) or isinstance(t, bool) or t >= self.card.vocab_size
-               for t in kw.get("stop_token_ids", ())):
-            raise invalid(f"stop_token_ids: must be token ids in [0, {self.card.vocab_size})",
-                          "stop_token_ids")
+        kw = dict(fields)
         try:
-            return SamplingParams(**kw)
-        except (ValueError, TypeError) as e:
-            raise invalid(str(e), param_of(str(e))) from e
+            if kw.get("max_tokens") is None:
+                kw["max_tokens"] = min(self.default_max_tokens, room)
+            params = SamplingParams.from_fields(kw)
+            if params.max_tokens > room:
+                raise ProtocolError("max_tokens", f"prompt ({num_prompt_tokens} tokens) + "
+                                    f"max_tokens ({params.max_tokens}) exceeds the model's "
+                                    f"context of {ctx} tokens")
+            if any(t >= self.card.vocab_size for t in params.stop_token_ids):
+                raise ProtocolError("stop_token_ids",
+                                    f"must be token ids in [0, {self.card.vocab_size})")
+        except ProtocolError as e:
+            raise invalid(e.message, e.field) from None
+        except TypeError as e:  # a keyword SamplingParams does not have
+            raise invalid(str(e)) from None
+        return params
 
     def request(self, request_id: str | None, prompt_token_ids: Sequence[int],
                 fields: Mapping[str, Any], stop: Sequence[str] = (), priority: int = 0,
@@ -111,12 +145,13 @@ class PromptProcessor:
         params = self.sampling(fields, len(ids), prompt_param)
         if any(not isinstance(s, str) for s in stop):
             raise invalid("stop: must be a string or a list of strings", "stop")
-        if len(stop) > 16:
-            raise invalid("stop: at most 16 stop strings", "stop")
-        if timeout_s is not None and not timeout_s > 0:
-            raise invalid(f"timeout: must be > 0 seconds, got {timeout_s}", "timeout")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise invalid("priority: must be an integer", "priority")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise invalid(f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
+        try:
+            timeout_s = check_timeout(timeout_s)
+            priority = check_priority(priority)
+        except ProtocolError as e:
+            raise invalid(e.message, e.field) from None
         return GenerationRequest(
             request_id=request_id or uuid.uuid4().hex, prompt_token_ids=tuple(ids),
             params=params, stop=tuple(s for s in stop if s), priority=priority,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pdserve.addresses import addresses as addresses  # re-exported: the gateway's flags
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 
 
 class Role(enum.Enum):

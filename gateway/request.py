@@ -6,8 +6,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.protocol import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ from collections.abc import Mapping, Sequence
 
 from pdserve.engine.block_hash import block_hashes
 from pdserve.gateway.registry import Worker
+from pdserve.protocol import cdiv
 
 
 def _blocks_for(num_tokens: int, block_size: int | None) -> int:
     bs = block_size or 16
-    return -(-num_tokens // bs)
+    return cdiv(num_tokens, bs)
 
 
 def decode_load(w: Worker, inflight: Mapping[str, int]) -> int:

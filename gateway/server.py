@@ -23,23 +23,24 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve import fingerprint, rpc
 from pdserve.cluster_auth import ClusterCredentials
 from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S, DEFAULT_STREAM_IDLE_S
-from pdserve.engine.model_loader import load_config, load_tokenizer, resolve_model
+from pdserve.engine.model_files import load_config, load_tokenizer, resolve_model
 from pdserve.gateway.admission import AdmissionController
 from pdserve.gateway.channels import WorkerChannels
 from pdserve.gateway.convert import kv_spec_from_proto, load_from_proto
 from pdserve.gateway.grpc_api import GatewayServicer
-from pdserve.gateway.http_api import OpenAIServer
+from pdserve.gateway.http_api import MAX_BODY_BYTES, OpenAIServer
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prompts import PromptProcessor
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry, addresses
 from pdserve.gateway.registry_api import RegistryServicer
+from pdserve.gateway.wire_check import MalformedRequests
+from pdserve.grpc_health import GrpcHealth
 from pdserve.metrics import TierMetrics
+from pdserve.protocol import DEFAULT_MAX_TOKENS
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
@@ -62,7 +63,10 @@ class GatewayConfig:
     max_queue: int = 256
     max_inflight: int = 128
     heartbeat_timeout_s: float = 5.0
-    default_max_tokens: int = 256
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_body_bytes: int = MAX_BODY_BYTES  # HTTP request bodies; larger ones get 413
+    # a client that reads none of its stream for this long is dropped, its request cancelled
+    reader_timeout_s: float = 30.0
     grace_s: float = 5.0
     credentials: ClusterCredentials = ClusterCredentials()
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S  # every unary call to a worker
@@ -81,6 +85,10 @@ class GatewayConfig:
             raise ValueError("default_max_tokens must be >= 1")
         if self.registry_port is None:
             object.__setattr__(self, "registry_port", self.grpc_port + 1 if self.grpc_port else 0)
+        if self.reader_timeout_s <= 0:
+            raise ValueError("reader_timeout_s must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be >= 1024")
         object.__setattr__(self, "prefill", tuple(addresses(",".join(self.prefill))))
         object.__setattr__(self, "decode", tuple(addresses(",".join(self.decode))))
 
@@ -99,14 +107,14 @@ class Gateway:
         self.metrics.running.set_function(lambda: self.admission.num_inflight)
         self.metrics.waiting.set_function(lambda: self.admission.stats().queued)
         self.metrics.kv_usage.set_function(self._decode_kv_usage)
-        self.health = health.aio.HealthServicer()
+        self.health: GrpcHealth | None = None  # the public port's: SERVING only when `ready`
         # the registry listener's own health: SERVING while it takes registrations, which it
         # must do before the gateway can route anything (so it never follows `ready`)
-        self.registry_health = health.aio.HealthServicer()
+        self.registry_health: GrpcHealth | None = None
         self.prompts: PromptProcessor | None = None
         self.orchestrator: Orchestrator | None = None
         self._serving = False
-        self._health_status: int | None = None
+        self._health_serving: bool | None = None
         self._server: grpc.aio.Server | None = None
         self._registry_server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -141,12 +149,14 @@ class Gateway:
         cfg = self.config
         cfg.credentials.require_for(cfg.host, "the gateway's registry listener")
         # the public port: clients carry no cluster credential
-        self._server = rpc.server(cfg.credentials, internal=False)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server = rpc.server(cfg.credentials, internal=False,
+                                  interceptors=(MalformedRequests(),))
+        self.health = GrpcHealth(self._server, (GATEWAY_SERVICE,))
+        await self._set_health(False)
         self.grpc_port = rpc.add_port(self._server, f"{cfg.host}:{cfg.grpc_port}", None)
         self._registry_server = rpc.server(cfg.credentials)
-        health_pb2_grpc.add_HealthServicer_to_server(self.registry_health, self._registry_server)
+        self.registry_health = GrpcHealth(self._registry_server, (REGISTRY_SERVICE,))
+        await self.registry_health.set_serving(False)
         self.registry_port = rpc.add_port(self._registry_server,
                                           f"{cfg.host}:{cfg.registry_port}", cfg.credentials)
 
@@ -159,11 +169,10 @@ class Gateway:
                                        int(hf_config.vocab_size), cfg.default_max_tokens)
         self.orchestrator = Orchestrator(self.registry, self.channels, self.admission,
                                          self.metrics, tokenizer, cfg.disagg_threshold,
-                                         cfg.rpc_timeout_s, cfg.stream_idle_s)
+                                         cfg.rpc_timeout_s, cfg.stream_idle_s,
+                                         reader_timeout_s=cfg.reader_timeout_s)
         servicer = GatewayServicer(self.prompts, self.orchestrator, self.registry)
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self._server)
-        reflection.enable_server_reflection(
-            (GATEWAY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         await self._server.start()
         gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(
             RegistryServicer(self.registry, own,
@@ -172,7 +181,7 @@ class Gateway:
         await self._registry_server.start()
 
         http = OpenAIServer(self.prompts, self.orchestrator, self.registry, self.metrics,
-                            self.ready)
+                            self.ready, cfg.max_body_bytes, cfg.reader_timeout_s)
         self._runner = web.AppRunner(http.app(), handler_cancellation=True, access_log=None,
                                      shutdown_timeout=cfg.grace_s)
         await self._runner.setup()
@@ -188,7 +197,7 @@ class Gateway:
             self.registry.add_static(Role.DECODE, addr)
         await self._poll_static_once()
         self._serving = True
-        await self.registry_health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.registry_health.set_serving(True)
         self._tasks = [asyncio.create_task(self._sweep_loop()),
                        asyncio.create_task(self._poll_loop()),
                        asyncio.create_task(self._readiness_loop())]
@@ -200,8 +209,10 @@ class Gateway:
     async def stop(self, grace_s: float | None = None) -> None:
         grace = self.config.grace_s if grace_s is None else grace_s
         self._serving = False
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.registry_health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.health is not None:
+            await self._set_health(False)
+        if self.registry_health is not None:
+            await self.registry_health.set_serving(False)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -215,6 +226,8 @@ class Gateway:
         if self.orchestrator is not None:
             await self.orchestrator.drain(grace)
         await self.channels.close_all()
+        if self.prompts is not None:
+            self.prompts.close()
         log.info("gateway %s stopped", self.gateway_id)
 
     async def _readiness_loop(self) -> None:
@@ -224,15 +237,14 @@ class Gateway:
             await self._update_health()
 
     async def _update_health(self) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if self.ready()
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        if status != self._health_status:
-            await self._set_health(status)
+        ready = self.ready()
+        if ready != self._health_serving:
+            await self._set_health(ready)
 
-    async def _set_health(self, status: int) -> None:
-        self._health_status = status
-        await self.health.set("", status)
-        await self.health.set(GATEWAY_SERVICE, status)
+    async def _set_health(self, serving: bool) -> None:
+        self._health_serving = serving
+        assert self.health is not None
+        await self.health.set_serving(serving)
 
     # -- housekeeping -----------------------------------------------------------------------
     async def _sweep_loop(self) -> None:

@@ -13,7 +13,8 @@ from pdserve.engine_args import add_engine_args, engine_config_from_args
 def _cmd_generate(a: argparse.Namespace) -> int:
     from pdserve.engine.detokenizer import IncrementalDetokenizer
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.model_files import chat_text
+    from pdserve.protocol import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
@@ -25,11 +26,11 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     tok = engine.tokenizer
     prompt = a.prompt
     if a.chat:
-        if tok is None or not getattr(tok, "chat_template", None):
-            print("pdserve generate: --chat needs a model with a chat template", file=sys.stderr)
+        try:
+            prompt = chat_text(tok, [{"role": "user", "content": a.prompt}])
+        except ValueError as e:
+            print(f"pdserve generate: --chat: {e}", file=sys.stderr)
             return 2
-        prompt = tok.apply_chat_template([{"role": "user", "content": a.prompt}],
-                                         add_generation_prompt=True, tokenize=False)
     try:
         ids = engine.encode_prompt(prompt)
         engine.add_request("cli", ids, params)

@@ -13,27 +13,9 @@ import sys
 import time
 
 from pdserve.cluster import ClusterConfig, ClusterError, Endpoints, HealthStatus, LocalCluster
-from pdserve.engine_args import add_engine_args
+from pdserve.engine_args import add_engine_args, engine_argv
 
-
-def engine_argv(a: argparse.Namespace) -> list[str]:
-    """The engine flags of `a` that differ from their defaults, as a command line for the
-    workers (`--model` excluded: the cluster passes it to every tier)."""
-    scratch = argparse.ArgumentParser(add_help=False)
-    add_engine_args(scratch)
-    out: list[str] = []
-    for act in scratch._actions:
-        if not act.option_strings or act.dest == "model":
-            continue
-        value = getattr(a, act.dest, act.default)
-        if value == act.default:
-            continue
-        flag = act.option_strings[-1]
-        if isinstance(act, argparse._StoreTrueAction):
-            out.append(flag)
-        else:
-            out += [flag, str(value)]
-    return out
+__all__ = ["engine_argv", "register"]
 
 
 def _nonneg_int(text: str) -> int:

@@ -16,10 +16,9 @@ from typing import Self
 
 import grpc
 
-from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
+from pdserve.convert import logprobs_from_proto
+from pdserve.protocol import TokenLogprobs, finish_from_proto, sampling_proto
+from pdserve.protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class GenerateChunk:
     prompt_tokens: int = 0  # the usage fields are set on the last chunk
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
-    logprobs: tuple[common_pb2.TokenLogprobs, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,13 +70,11 @@ class PdserveClient:
         pairs or {"role", "content"} dicts) or `token_ids`."""
         if sum(x is not None for x in (prompt, messages, token_ids)) != 1:
             raise ValueError("give exactly one of prompt, messages, token_ids")
-        sampling = common_pb2.SamplingParams(stop_token_ids=list(stop_token_ids),
-                                             ignore_eos=ignore_eos, min_tokens=min_tokens)
-        for name, v in (("max_tokens", max_tokens), ("temperature", temperature),
-                        ("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("seed", seed),
-                        ("repetition_penalty", repetition_penalty), ("logprobs", logprobs)):
-            if v is not None:
-                setattr(sampling, name, v)
+        # unset fields stay unset: the gateway applies the defaults and validates
+        sampling = sampling_proto(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, seed=seed, repetition_penalty=repetition_penalty, logprobs=logprobs,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_tokens=min_tokens)
         req = gateway_pb2.GenerateRequest(request_id=request_id, model=model,
                                           sampling=sampling, stop=list(stop),
                                           priority=priority)
@@ -94,9 +91,11 @@ class PdserveClient:
         call = self._stub.Generate(req)
         try:
             async for r in call:
-                yield GenerateChunk(r.text, tuple(r.token_ids), _FINISH.get(r.finish_reason),
+                yield GenerateChunk(r.text, tuple(r.token_ids),
+                                    finish_from_proto(r.finish_reason),
                                     r.usage.prompt_tokens, r.usage.completion_tokens,
-                                    r.usage.cached_prompt_tokens, tuple(r.logprobs))
+                                    r.usage.cached_prompt_tokens,
+                                    tuple(logprobs_from_proto(x) for x in r.logprobs))
         finally:
             call.cancel()  # no-op once the stream ended; tells the gateway when we leave
 

@@ -1,50 +1,21 @@
-"""Proto messages <-> engine dataclasses. The only place that knows both shapes."""
+"""Proto messages <-> the shared dataclasses. Sampling parameters and finish reasons convert
+in `pdserve.protocol` (their one definition); this module adds logprobs and the KV layout."""
 
 from __future__ import annotations
 
-from pdserve.engine.kv_cache import KVCacheSpec
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.engine.kv_spec import KVCacheSpec
+from pdserve.protocol import SamplingParams, TokenLogprobs, finish_from_proto, finish_to_proto
 from pdserve.protos.pdserve.v1 import common_pb2
 
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-}
-FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+__all__ = ["finish_from_proto", "finish_to_proto", "kv_spec_from_proto", "kv_spec_to_proto",
+           "layouts_match", "logprobs_from_proto", "logprobs_to_proto", "sampling_from_proto",
+           "sampling_to_proto"]
 
-
-def sampling_from_proto(m: common_pb2.SamplingParams, default_max_tokens: int = 16
-                        ) -> SamplingParams:
-    """ValueError (naming the field) when a value is out of range."""
-    kw: dict = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                 "repetition_penalty", "logprobs"):
-        if m.HasField(name):
-            kw[name] = getattr(m, name)
-    kw.setdefault("max_tokens", default_max_tokens)
-    if kw.get("top_k") == 0:
-        kw["top_k"] = -1
-    return SamplingParams(presence_penalty=m.presence_penalty,
-                          frequency_penalty=m.frequency_penalty,
-                          stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-                          min_tokens=m.min_tokens, **kw)
+sampling_from_proto = SamplingParams.from_proto
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    m = common_pb2.SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-        top_k=max(p.top_k, 0), min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens)
-    if p.seed is not None:
-        m.seed = p.seed
-    if p.logprobs is not None:
-        m.logprobs = p.logprobs
-    return m
+    return p.to_proto()
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

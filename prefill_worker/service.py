@@ -22,19 +22,13 @@ An engine failure is INTERNAL with its reason.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
 
 import grpc
 
-from pdserve.convert import (
-    kv_spec_from_proto,
-    layouts_match,
-    logprobs_to_proto,
-    sampling_from_proto,
-)
+from pdserve.convert import kv_spec_from_proto, layouts_match, logprobs_to_proto
 from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S
 from pdserve.engine.async_engine import AsyncEngine, EngineFailed, RequestError
 from pdserve.kvtransfer.shm import offer_from_proto
@@ -42,6 +36,7 @@ from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVTransferError, KVTransport
 from pdserve.metrics import TierMetrics
 from pdserve.prefill_worker.kv_pusher import StreamSaver
+from pdserve.protocol import SamplingParams, cdiv
 from pdserve.protos.pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
@@ -93,16 +88,14 @@ class PrefillService(prefill_pb2_grpc.PrefillWorkerServicer):
             await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
                              "decode_kv_spec: the decode worker's KV layout differs from this "
                              "prefill worker's")
-        need = -(-len(ids) // spec.block_size)
+        need = cdiv(len(ids), spec.block_size)
         if request.reserved_blocks and request.reserved_blocks != need:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
                              f"reserved_blocks: {request.reserved_blocks} reserved, the prompt "
                              f"fills {need}")
         try:
-            params = sampling_from_proto(request.sampling)
             # only the first token is sampled here, with the request's own rules
-            params = dataclasses.replace(params, max_tokens=1,
-                                         min_tokens=min(params.min_tokens, 1))
+            params = SamplingParams.from_proto(request.sampling, first_token_only=True)
         except ValueError as e:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

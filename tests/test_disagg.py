@@ -89,7 +89,12 @@ def test_disaggregated_equals_colocated(tiny_model_dir, n_prefill, n_decode, kv_
                 _disagg_generate(decodes[i % n_decode].address, prefills[i % n_prefill].address,
                                  ids, GREEDY, f"r{i}") for i, ids in enumerate(prompts)])
             for w in decodes + prefills:
-                free, total = await _free_blocks(w)
+                # a worker frees a finished sequence's blocks at its engine's next step
+                for _ in range(100):
+                    free, total = await _free_blocks(w)
+                    if free == total:
+                        break
+                    await asyncio.sleep(0.05)
                 assert free == total
             return outs
         finally:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pdserve.engine.block_hash import hash_block
+from pdserve.protocol import cdiv
 
 
 @dataclass
@@ -83,7 +84,7 @@ class BlockPool:
         return newest[::-1]
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # -- allocation -------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:

@@ -1,4 +1,5 @@
-"""The paged KV cache: its layout (the transfer contract) and the tensors that hold it.
+"""The paged KV cache: the tensors that hold it, laid out as `kv_spec.KVCacheSpec` says
+(re-exported here; the spec itself is torch-free so the gateway can use it).
 
 Layout, defined once here and nowhere else:
 
@@ -12,18 +13,17 @@ so that a layer's K (or V) is a contiguous view and one block of one layer is a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from pdserve.engine.kv_spec import KVCacheSpec, check_dtype_name
+
+__all__ = ["KVCacheSpec", "PagedKVCache", "dtype_from_name", "dtype_name", "parse_bytes"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+    return _DTYPES[check_dtype_name(name)]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -31,57 +31,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         if d == dtype:
             return name
     raise ValueError(f"unsupported KV dtype {dtype}")
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape and dtype of a paged KV cache; equal specs are required on both transfer ends."""
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        for field in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
-        dtype_from_name(self.dtype)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
-
-    @property
-    def block_shape(self) -> tuple[int, int, int]:
-        """Shape of one block of one layer's K (or V)."""
-        return (self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    @property
-    def bytes_per_block_all_layers(self) -> int:
-        return 2 * self.num_layers * self.block_bytes
-
-    @staticmethod
-    def blocks_for_budget(
-        budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-        dtype: str,
-    ) -> int:
-        per_block = KVCacheSpec(num_layers, 1, block_size, num_kv_heads, head_dim, dtype)
-        n = budget_bytes // per_block.bytes_per_block_all_layers
-        if n < 1:
-            raise ValueError(
-                f"kv cache budget of {budget_bytes} bytes holds no block "
-                f"({per_block.bytes_per_block_all_layers} bytes each)"
-            )
-        return int(n)
 
 
 class PagedKVCache:

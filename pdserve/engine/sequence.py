@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import ABORT, LENGTH, STOP, SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.IntEnum):
@@ -35,19 +35,12 @@ class SequenceStatus(enum.IntEnum):
 
 
 FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_STOPPED: STOP,
+    SequenceStatus.FINISHED_LENGTH: LENGTH,
+    SequenceStatus.FINISHED_ABORTED: ABORT,
 }
 
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """The sampled token's logprob and the top-N alternatives (token id -> logprob)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+__all__ = ["FINISH_REASONS", "Sequence", "SequenceStatus", "TokenLogprobs"]
 
 
 @dataclass
