@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pdserve
-from pdserve.engine.model_loader import ModelSource, resolve_model
+from pdserve.engine.model_files import ModelSource, resolve_model
 
 PROTO_VERSION = 2  # 2: registry on its own service, reservation secrets
 SAMPLES = 8

@@ -68,10 +68,12 @@ def _own_segments() -> set[str]:
 
 @pytest.fixture
 def pool() -> Iterator[ShmSegmentPool]:
+    # workers of other test modules in this process may hold segments of their own
+    before = _own_segments()
     p = ShmSegmentPool(HOST, capacity_bytes=64 << 20)
     yield p
     p.close()
-    assert _own_segments() == set()  # nothing left in /dev/shm
+    assert _own_segments() <= before  # nothing of this test's left in /dev/shm
 
 
 @pytest.fixture
@@ -404,6 +406,7 @@ async def _generate_via_offer(decode_addr: str, prefill_addr: str, ids: list[int
 
 
 def test_disaggregated_over_shm_equals_colocated(tiny_model_dir):
+    before = _own_segments()
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [[(37 * i + 11 * j) % 4000 + 50 for j in range(5 + 23 * i)] for i in range(8)]
     reference = [o.token_ids for o in tiny_engine(tiny_model_dir).generate(prompts, greedy)]
@@ -430,11 +433,12 @@ def test_disaggregated_over_shm_equals_colocated(tiny_model_dir):
 
     outs = asyncio.run(main())
     assert outs == reference
-    assert _own_segments() == set()  # the decode worker unlinked its segments at stop
+    assert _own_segments() <= before  # the decode worker unlinked its segments at stop
 
 
 def test_unused_offer_released_with_its_reservation(tiny_model_dir):
     """A reservation cancelled before any push: its segment is unlinked at once."""
+    before = _own_segments()
     async def main():
         dec = await _start_worker("decode", tiny_model_dir, "auto")
         try:
@@ -451,4 +455,4 @@ def test_unused_offer_released_with_its_reservation(tiny_model_dir):
             await dec.stop(0)
 
     asyncio.run(main())
-    assert _own_segments() == set()
+    assert _own_segments() <= before
