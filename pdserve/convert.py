@@ -30,7 +30,7 @@ def sampling_from_proto(m: common_pb2.SamplingParams, default_max_tokens: int = 
     return SamplingParams(presence_penalty=m.presence_penalty,
                           frequency_penalty=m.frequency_penalty,
                           stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-                          min_tokens=m.min_tokens, **kw)
+                          min_tokens=m.min_tokens, output_offset=m.output_offset, **kw)
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -39,7 +39,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         top_k=max(p.top_k, 0), min_p=p.min_p, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens)
+        min_tokens=p.min_tokens, output_offset=p.output_offset)
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:

@@ -22,6 +22,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Output tokens this request generated before it was re-admitted elsewhere (migration by
+    # recompute): they are the last `output_offset` prompt tokens. Its k-th token here is
+    # its (output_offset + k)-th output token for everything that depends on the output's
+    # history: the seed stream position and the output-only (presence/frequency)
+    # penalties. Limits are not shifted: max_tokens and min_tokens count tokens generated
+    # here (the gateway reduces them when it re-admits).
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from callers while keeping the object hashable and immutable.
@@ -57,5 +64,7 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if not isinstance(self.output_offset, int) or self.output_offset < 0:
+            raise ValueError(f"output_offset must be an integer >= 0, got {self.output_offset!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
