@@ -53,11 +53,17 @@ def chaos(tiny_model_dir):
         cluster.stop()
 
 
+def _moves(cluster) -> int:
+    """Failovers and migrations the gateway logged (its log survives its restarts)."""
+    text = cluster.log_path("gateway").read_text(errors="replace")
+    return text.count("failing over") + text.count("; migrating (")
+
+
 def _under(chaos, fault: str, retry_s: float = 0.0) -> list:
     cluster, load, reference = chaos
-    restarts = cluster.restarts
-    faulter = threading.Thread(
-        target=lambda: (time.sleep(FAULT_AT_S), inject(cluster, fault, STOP_S)), daemon=True)
+    restarts, moves = cluster.restarts, _moves(cluster)
+    faulter = threading.Thread(target=lambda: (
+        time.sleep(FAULT_AT_S), inject(cluster, fault, STOP_S, busy_within_s=2.0)), daemon=True)
     faulter.start()
     outs = asyncio.run(run_load(cluster.endpoints.grpc_address, load, rate=RATE,
                                 retry_s=retry_s, timeout_s=120))
@@ -71,6 +77,8 @@ def _under(chaos, fault: str, retry_s: float = 0.0) -> list:
         while cluster.restarts == restarts:  # the supervisor brings the victim back
             assert time.monotonic() < end, "the killed child was not restarted"
             time.sleep(0.2)
+    if not fault.startswith("restart"):  # the fault hit requests in hand, which moved
+        assert _moves(cluster) > moves, "no request failed over or migrated"
     cluster.wait_healthy(timeout=300)
     held = held_blocks(cluster)
     assert not any(held.values()), f"blocks held after the load: {held}"

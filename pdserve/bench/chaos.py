@@ -128,11 +128,30 @@ def _pid(cluster: LocalCluster, name: str) -> int:
     return next(w.pid for w in cluster.endpoints.workers if w.name == name)
 
 
-def inject(cluster: LocalCluster, fault: str, stop_s: float = 5.0) -> str:
+def _busy(cluster: LocalCluster, name: str) -> bool:
+    w = next(w for w in cluster.endpoints.workers if w.name == name)
+    stub_cls = (prefill_pb2_grpc.PrefillWorkerStub if w.tier == "prefill"
+                else decode_pb2_grpc.DecodeWorkerStub)
+    with grpc.insecure_channel(w.address) as ch:
+        try:
+            load = stub_cls(ch).Stats(common_pb2.StatsRequest(), timeout=2, metadata=(
+                (TOKEN_METADATA, cluster.cluster_token),)).load
+        except grpc.RpcError:
+            return False
+    return load.num_running + load.num_waiting + load.queue_depth > 0
+
+
+def inject(cluster: LocalCluster, fault: str, stop_s: float = 5.0,
+           busy_within_s: float = 0.0) -> str:
     """Fire one of FAULTS (blocks for `stop_s` for a stop); returns the victim's name.
-    A killed child is restarted by whoever supervises the cluster."""
+    With `busy_within_s`, a worker is hit once it has requests in hand (or when that time
+    has passed), so the fault lands mid-request. A killed child is restarted by whoever
+    supervises the cluster. The decode victim is decode-0, the one ties route to."""
     action, tier = fault.split("-", 1)
-    victim = {"prefill": "prefill-0", "decode": "decode-1", "gateway": "gateway"}[tier]
+    victim = {"prefill": "prefill-0", "decode": "decode-0", "gateway": "gateway"}[tier]
+    end = time.monotonic() + busy_within_s
+    while victim != "gateway" and time.monotonic() < end and not _busy(cluster, victim):
+        time.sleep(0.01)
     pid = _pid(cluster, victim)
     if action in ("kill", "restart"):
         os.kill(pid, signal.SIGKILL)
