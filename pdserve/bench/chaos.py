@@ -23,6 +23,7 @@ import json
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -263,6 +264,7 @@ def start_cluster(model: str, engine_args: Sequence[str], disagg_threshold: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     load = make_load(a.requests)
     cluster = start_cluster(a.model, a.engine_args.split(), a.disagg_threshold, a.timeout)
@@ -290,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     retry_s=30.0))
         th.join()
         ref_by_index = {k: reference[k % len(load)] for k in range(n)}
-        report = {"command": "python -m pdserve.bench.chaos " + " ".join(argv or []),
+        report = {"command": "python -m pdserve.bench.chaos " + " ".join(argv),
                   "faults": faults, "reference": summarize(ref, reference),
                   "chaos": summarize(outs, ref_by_index),
                   "restarts": cluster.restarts, "held_blocks": held_blocks(cluster)}
