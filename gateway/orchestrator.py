@@ -4,13 +4,17 @@
       ├─ colocated: D.Generate(prompt) ─────────────────────────────▶ token stream from D
       └─ disaggregated: D.Reserve(prompt) → D.Decode(reservation) opened
                         → P.Prefill(prompt, dest=D, reservation) ───▶ token stream from D
+           └─ P failed: cancel the reservation, next P with a fresh one; none left: colocated
+      └─ D's stream broke: re-admit colocated, prompt + tokens streamed (migration.py), ≤ 3×
     → detokenize, apply stop strings → deltas to the client → finished | failed
 
 Decode workers are tried best first (router.py), prefill workers likewise, under one retry
 policy (`_may_retry`): a worker that refused before doing any work (RESOURCE_EXHAUSTED, or
 UNAVAILABLE / no answer in time before anything started) is passed over for the next one;
-when all refuse, the client gets the last refusal. A failed Prefill cancels the reservation
-at D.
+when all refuse, the client gets the last refusal. Once work began, a failure is migration's
+business (gateway/migration.py): a failed prefill fails over to the next prefill worker or
+to colocated; a broken token stream is re-admitted elsewhere from what it already streamed,
+so the client's stream continues and greedy output is unchanged.
 
 Nothing waits without bound (pdserve.deadlines): every unary call runs under
 min(rpc timeout, the request's time left); a token stream that shows nothing — no token, no
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,7 +42,7 @@ from typing import Any
 import grpc
 
 from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S, DEFAULT_STREAM_IDLE_S, call_timeout
-from pdserve.gateway import router
+from pdserve.gateway import migration, router
 from pdserve.gateway.admission import AdmissionController, Overloaded
 from pdserve.gateway.channels import WorkerChannels
 from pdserve.gateway.convert import logprobs_from_proto
@@ -46,7 +51,7 @@ from pdserve.gateway.output import TextOutput
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry
 from pdserve.gateway.request import GenerationDelta, GenerationRequest, RequestTiming, Usage
 from pdserve.metrics import TierMetrics, TokenTimer
-from pdserve.protocol import ABORT, STOP, finish_from_proto
+from pdserve.protocol import STOP, finish_from_proto
 from pdserve.protos.pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 log = logging.getLogger("pdserve.gateway")
@@ -68,6 +73,8 @@ class _Trace:
     gateway_queue_s: float = 0.0
     prefill: prefill_pb2.PrefillResponse | None = None
     final: decode_pb2.TokenChunk | None = None
+    decode: Worker | None = None  # the decode worker of the current attempt
+    migrations: int = 0
 
 
 class _Outbox:
@@ -183,17 +190,9 @@ class Orchestrator:
 
     async def _serve(self, req: GenerationRequest, trace: _Trace,
                      emit: Callable[[GenerationDelta], Awaitable[None]]) -> None:
-        decodes = self.registry.alive(Role.DECODE)
-        if not decodes:
-            raise GatewayError(ErrorKind.UNAVAILABLE, "no decode worker is available")
-        prefills = self.registry.alive(Role.PREFILL)
-        n = len(req.prompt_token_ids)
-        if router.disaggregate(n, self.disagg_threshold, len(prefills)):
-            chunks = self._disaggregated(req, decodes, prefills, trace)
-        else:
-            chunks = self._colocated(req, decodes)
         out = TextOutput(self.tokenizer, req.prompt_token_ids, req.stop)
         timer = TokenTimer(self.metrics, req.arrival)
+        chunks = self._migrating(req, trace)
         async with contextlib.aclosing(chunks):
             async for ch in chunks:
                 ids = tuple(ch.token_ids)
@@ -205,9 +204,6 @@ class Orchestrator:
                         reason = "stop"  # leaving the loop cancels the request at D
                     else:
                         reason = finish_from_proto(ch.finish_reason) or STOP
-                        if reason == ABORT:
-                            raise GatewayError(ErrorKind.UNAVAILABLE,
-                                               "the decode worker aborted the request")
                         text += out.finish()
                         trace.final = ch
                     await emit(self._finish(req, trace, text, ids, lps, reason, ch, timer))
@@ -216,6 +212,67 @@ class Orchestrator:
                     await emit(GenerationDelta(text, ids, lps))
         raise GatewayError(ErrorKind.UNAVAILABLE, "the worker's stream ended unfinished")
 
+    async def _migrating(self, req: GenerationRequest, trace: _Trace
+                         ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """The request's token stream, whichever workers it takes (migration.py): each
+        attempt's chunks pass through; a broken attempt is re-admitted from the tokens
+        streamed so far, at most MAX_MIGRATIONS times."""
+        streamed: list[int] = []
+        failed: dict[str, ErrorKind] = {}  # decode worker id -> how it failed this request
+        attempt = req
+        while True:
+            trace.decode = None
+            try:
+                async for ch in self._attempt(attempt, trace, failed, resumed=bool(streamed)):
+                    if ch.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                        who = trace.decode.address if trace.decode else "?"
+                        raise GatewayError(ErrorKind.UNAVAILABLE,
+                                           f"decode worker {who} aborted the request")
+                    streamed.extend(ch.token_ids)
+                    yield ch
+                    if ch.finish_reason:
+                        return
+                raise GatewayError(ErrorKind.UNAVAILABLE, "the worker's stream ended unfinished")
+            except GatewayError as e:
+                if trace.decode is None or not migration.may_migrate(e, len(streamed)):
+                    raise
+                failed[trace.decode.worker_id] = e.kind
+                if not migration.candidates(self.registry.alive(Role.DECODE), failed)[0]:
+                    raise  # e.g. an engine failure with no other worker: the client gets it
+                if trace.migrations == migration.MAX_MIGRATIONS:
+                    raise GatewayError(ErrorKind.UNAVAILABLE, f"gave up after "
+                                       f"{trace.migrations} migrations: {e.message}") from None
+                trace.migrations += 1
+                log.warning("request %s (cluster id %s): %s; migrating (%d of at most %d) "
+                            "with %d tokens streamed", req.request_id, req.cluster_id,
+                            e.message, trace.migrations, migration.MAX_MIGRATIONS,
+                            len(streamed))
+            if len(streamed) >= req.params.max_tokens:  # all there: only the end was lost
+                yield decode_pb2.TokenChunk(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+                return
+            attempt = migration.resumed(req, streamed, trace.migrations)
+
+    async def _attempt(self, req: GenerationRequest, trace: _Trace,
+                       failed: dict[str, ErrorKind], resumed: bool
+                       ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """One attempt at the request: disaggregated or colocated on the workers left to
+        try. A resumed request is recomputed colocated (its prompt holds what was
+        streamed)."""
+        decodes, again = migration.candidates(self.registry.alive(Role.DECODE), failed)
+        if not decodes:
+            raise GatewayError(ErrorKind.UNAVAILABLE, "no decode worker is available")
+        if again:
+            await asyncio.sleep(migration.backoff_s(trace.migrations))
+        prefills = self.registry.alive(Role.PREFILL)
+        n = len(req.prompt_token_ids)
+        if not resumed and router.disaggregate(n, self.disagg_threshold, len(prefills)):
+            chunks = self._disaggregated(req, decodes, prefills, trace)
+        else:
+            chunks = self._colocated(req, decodes, trace)
+        async with contextlib.aclosing(chunks):
+            async for ch in chunks:
+                yield ch
+
     def _finish(self, req: GenerationRequest, trace: _Trace, text: str, ids: tuple[int, ...],
                 lps: tuple, reason: str, last: decode_pb2.TokenChunk, timer: TokenTimer
                 ) -> GenerationDelta:
@@ -223,8 +280,9 @@ class Orchestrator:
         num_out = timer.count
         final = trace.final or last
         pf = trace.prefill
-        num_prompt = final.num_prompt_tokens or len(req.prompt_token_ids)
-        cached = final.num_cached_tokens or (pf.num_cached_tokens if pf else 0)
+        # the client's prompt, whatever a migrated attempt's prompt grew to
+        num_prompt = len(req.prompt_token_ids)
+        cached = min(num_prompt, final.num_cached_tokens or (pf.num_cached_tokens if pf else 0))
         dt = final.timing if trace.final is not None else common_pb2.Timing()
         if pf is not None:  # the prefill worker's own account of its part is authoritative
             timing = RequestTiming(trace.gateway_queue_s + pf.timing.queue_s,
@@ -290,7 +348,7 @@ class Orchestrator:
                 return
             yield ch
 
-    async def _colocated(self, req: GenerationRequest, decodes: list[Worker]
+    async def _colocated(self, req: GenerationRequest, decodes: list[Worker], trace: _Trace
                          ) -> AsyncIterator[decode_pb2.TokenChunk]:
         msg = decode_pb2.ColocatedGenerateRequest(
             request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
@@ -300,6 +358,7 @@ class Orchestrator:
             call = self.channels.get(w.address).decode.Generate(
                 msg, timeout=self._remaining(req))
             self._enter(w)
+            trace.decode = w
             who = f"decode worker {w.address}"
             started = finished = False
             try:
@@ -343,7 +402,7 @@ class Orchestrator:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     # it may still reserve once it wakes: free that at once (its expiry
                     # is the backstop should the Cancel overtake the Reserve)
-                    self.channels.cancel(w.address, request_id=req.request_id,
+                    self.channels.cancel(w.address, request_id=req.cluster_id,
                                          reason="gateway: Reserve timed out")
                 code, err = self._error(e, f"decode worker {w.address}")
                 if not _may_retry(code, work_started=False):
@@ -355,9 +414,8 @@ class Orchestrator:
         assert last is not None
         raise last
 
-    async def _prefill(self, req: GenerationRequest, d: Worker,
-                       resv: decode_pb2.ReserveResponse, prefills: list[Worker]
-                       ) -> prefill_pb2.PrefillResponse:
+    async def _prefill(self, req: GenerationRequest, p: Worker, d: Worker,
+                       resv: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillResponse:
         msg = prefill_pb2.PrefillRequest(
             request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
             # max_tokens goes to the decode worker only: prefill samples the first token
@@ -366,48 +424,64 @@ class Orchestrator:
             decode_kv_spec=resv.kv_spec, reservation_secret=resv.reservation_secret)
         if resv.HasField("shm"):  # the decode worker's same-host shared-memory offer
             msg.decode_shm.CopyFrom(resv.shm)
-        last: GatewayError | None = None
-        for p in router.rank_prefill(prefills, req.prompt_token_ids, self.inflight):
-            self._enter(p)
-            try:
-                # its deadline also bounds how long the prompt may queue there: the worker
-                # drops it unprefilled once the call is gone, before the reservation expires
-                return await self.channels.get(p.address).prefill.Prefill(
-                    msg, timeout=self._unary_timeout(req))
-            except grpc.aio.AioRpcError as e:
-                code, err = self._error(e, f"prefill worker {p.address}")
-                if not _may_retry(code, work_started=True):
-                    raise err from None
-                last = err
-            finally:
-                self._leave(p)
-        assert last is not None
-        raise last
+        self._enter(p)
+        try:
+            # its deadline also bounds how long the prompt may queue there: the worker
+            # drops it unprefilled once the call is gone, before the reservation expires
+            return await self.channels.get(p.address).prefill.Prefill(
+                msg, timeout=self._unary_timeout(req))
+        finally:
+            self._leave(p)
 
     async def _disaggregated(self, req: GenerationRequest, decodes: list[Worker],
                              prefills: list[Worker], trace: _Trace
                              ) -> AsyncIterator[decode_pb2.TokenChunk]:
-        d, resv = await self._reserve(req, decodes)  # d counts as in flight from here
-        call = None
-        finished = False
-        try:
-            call = self.channels.get(d.address).decode.Decode(
-                decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
-                timeout=self._remaining(req))
-            trace.prefill = await self._prefill(req, d, resv, prefills)
-            async for ch in self._chunks(call, f"decode worker {d.address}"):
-                finished = bool(ch.finish_reason)
-                yield ch
-                if finished:
-                    return
-            raise GatewayError(ErrorKind.UNAVAILABLE,
-                               f"decode worker {d.address} ended the stream unfinished")
-        except grpc.aio.AioRpcError as e:
-            raise self._error(e, f"decode worker {d.address}")[1] from None
-        finally:
-            self._leave(d)
-            if not finished:
-                if call is not None:
-                    call.cancel()
-                self.channels.cancel(d.address, reservation_id=resv.reservation_id,
-                                     reason="gateway: request ended")
+        """Prefill failover: each prefill worker, best first, gets the prompt with a fresh
+        reservation (the failed one's is cancelled: KV may have half arrived); when every
+        one failed, the prompt runs colocated. The decode stream's own failures are
+        `_migrating`'s. Each try has its own cluster id: what a failed one left at a worker
+        (a late commit, a reservation not yet cancelled) cannot collide with the next."""
+        first = req
+        for i, p in enumerate(router.rank_prefill(prefills, first.prompt_token_ids,
+                                                  self.inflight)):
+            req = first if i == 0 else dataclasses.replace(
+                first, cluster_id=f"{first.cluster_id}-p{i}")
+            d, resv = await self._reserve(req, decodes)  # d counts as in flight from here
+            trace.decode = d
+            call = None
+            finished = False
+            try:
+                call = self.channels.get(d.address).decode.Decode(
+                    decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
+                    timeout=self._remaining(req))
+                try:
+                    trace.prefill = await self._prefill(req, p, d, resv)
+                except grpc.aio.AioRpcError as e:
+                    code, err = self._error(e, f"prefill worker {p.address}")
+                    if not migration.prefill_may_fail_over(code):
+                        raise err from None
+                    log.warning("request %s (cluster id %s): %s; failing over", req.request_id,
+                                req.cluster_id, err.message)
+                    continue  # the finally below cancels the reservation
+                async for ch in self._chunks(call, f"decode worker {d.address}"):
+                    finished = bool(ch.finish_reason)
+                    yield ch
+                    if finished:
+                        return
+                raise GatewayError(ErrorKind.UNAVAILABLE,
+                                   f"decode worker {d.address} ended the stream unfinished")
+            except grpc.aio.AioRpcError as e:
+                raise self._error(e, f"decode worker {d.address}")[1] from None
+            finally:
+                self._leave(d)
+                if not finished:
+                    if call is not None:
+                        call.cancel()
+                    self.channels.cancel(d.address, reservation_id=resv.reservation_id,
+                                         reason="gateway: request ended")
+        trace.prefill = None
+        log.warning("request %s (cluster id %s): no prefill worker left; running it colocated",
+                    first.request_id, first.cluster_id)
+        colocated = dataclasses.replace(first, cluster_id=f"{first.cluster_id}-c")
+        async for ch in self._colocated(colocated, decodes, trace):
+            yield ch

@@ -121,6 +121,8 @@ class PromptProcessor:
         room = ctx - num_prompt_tokens
         kw = dict(fields)
         try:
+            if kw.get("output_offset"):  # the gateway's own, for requests it migrates
+                raise ProtocolError("output_offset", "is set by the gateway, not by clients")
             if kw.get("max_tokens") is None:
                 kw["max_tokens"] = min(self.default_max_tokens, room)
             params = SamplingParams.from_fields(kw)

@@ -105,6 +105,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Output tokens this request generated before it was re-admitted elsewhere (migration by
+    # recompute): they are the last `output_offset` prompt tokens. Its k-th token here is
+    # its (output_offset + k)-th output token for everything that depends on the output's
+    # history: the seed stream position and the output-only (presence/frequency)
+    # penalties. Limits are not shifted: max_tokens and min_tokens count tokens generated
+    # here (the gateway reduces them when it re-admits). Set by the gateway only: a
+    # client's value is refused (`CLIENT_FIELDS`).
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from callers while keeping the object hashable and immutable.
@@ -156,6 +164,7 @@ class SamplingParams:
             _int("seed", self.seed, 0, 2**63 - 1)
         if not isinstance(self.ignore_eos, bool):
             raise ProtocolError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        _int("output_offset", self.output_offset, 0, INT32_MAX)
 
     def to_proto(self, with_max_tokens: bool = True) -> common_pb2.SamplingParams:
         """`with_max_tokens=False` for a prefill worker, which samples only the first
@@ -165,7 +174,7 @@ class SamplingParams:
             min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens)
+            min_tokens=self.min_tokens, output_offset=self.output_offset)
         if with_max_tokens:
             m.max_tokens = self.max_tokens
         if self.seed is not None:

@@ -4,6 +4,9 @@ Order per row: penalties -> min_tokens masking -> (greedy argmax) | temperature 
 top-p -> min-p -> draw. Logprobs are of the raw model distribution (before any processing),
 which is what OpenAI-compatible servers report. A row with a seed draws from a generator
 seeded by (seed, output position), so its tokens do not depend on what else is in the batch.
+A re-admitted request (`SamplingParams.output_offset`) counts the output it made elsewhere,
+now the tail of its prompt, in that position and in the output-only penalties: it draws the
+same sequence it would have drawn had it never moved.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ class SampleRow:
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def history(self) -> list[int]:
+        """The request's whole output so far, what it made before a migration included."""
+        k = self.params.output_offset
+        return (self.prompt_token_ids[-k:] if k else []) + self.output_token_ids
+
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     p = row.params
@@ -36,8 +45,8 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                    vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long),
+    if (p.presence_penalty or p.frequency_penalty) and (history := row.history):
+        counts = torch.bincount(torch.tensor(history, dtype=torch.long),
                                 minlength=vocab)[:vocab].to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(
             logits.dtype)
@@ -96,7 +105,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[tuple[int, Token
             if p.greedy:
                 tokens.append(int(x.argmax()))
             else:
-                tokens.append(_draw(_filter(x, p), p, len(row.output_token_ids)))
+                tokens.append(_draw(_filter(x, p), p, len(row.history)))
     out: list[tuple[int, TokenLogprobs | None]] = []
     need_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     lps = logits[need_lp].log_softmax(-1) if need_lp else None

@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/common.proto\x12\npdserve.v1\"\xa9\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x15\n\x08logprobs\x18\n \x01(\rH\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"R\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\"G\n\rPrefillTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"\x80\x01\n\x0bKVCacheSpec\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"<\n\nKVShmOffer\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\xa9\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x05 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x07 \x03(\x04\"\x0e\n\x0cStatsRequest\"\x81\x01\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12(\n\x07kv_spec\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.KVCacheSpec*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/common.proto\x12\npdserve.v1\"\xc0\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x15\n\x08logprobs\x18\n \x01(\rH\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\routput_offset\x18\x0e \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"R\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\"G\n\rPrefillTiming\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"\x80\x01\n\x0bKVCacheSpec\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\"<\n\nKVShmOffer\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\xa9\x01\n\nWorkerLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x05 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\x07 \x03(\x04\"\x0e\n\x0cStatsRequest\"\x81\x01\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12(\n\x07kv_spec\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.KVCacheSpec*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.protos.pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1282
-  _globals['_FINISHREASON']._serialized_end=1402
+  _globals['_FINISHREASON']._serialized_start=1305
+  _globals['_FINISHREASON']._serialized_end=1425
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=472
-  _globals['_TOPLOGPROB']._serialized_start=474
-  _globals['_TOPLOGPROB']._serialized_end=521
-  _globals['_TOKENLOGPROBS']._serialized_start=523
-  _globals['_TOKENLOGPROBS']._serialized_end=610
-  _globals['_TIMING']._serialized_start=612
-  _globals['_TIMING']._serialized_end=694
-  _globals['_PREFILLTIMING']._serialized_start=696
-  _globals['_PREFILLTIMING']._serialized_end=767
-  _globals['_KVCACHESPEC']._serialized_start=770
-  _globals['_KVCACHESPEC']._serialized_end=898
-  _globals['_KVSHMOFFER']._serialized_start=900
-  _globals['_KVSHMOFFER']._serialized_end=960
-  _globals['_WORKERLOAD']._serialized_start=963
-  _globals['_WORKERLOAD']._serialized_end=1132
-  _globals['_STATSREQUEST']._serialized_start=1134
-  _globals['_STATSREQUEST']._serialized_end=1148
-  _globals['_STATSRESPONSE']._serialized_start=1151
-  _globals['_STATSRESPONSE']._serialized_end=1280
+  _globals['_SAMPLINGPARAMS']._serialized_end=495
+  _globals['_TOPLOGPROB']._serialized_start=497
+  _globals['_TOPLOGPROB']._serialized_end=544
+  _globals['_TOKENLOGPROBS']._serialized_start=546
+  _globals['_TOKENLOGPROBS']._serialized_end=633
+  _globals['_TIMING']._serialized_start=635
+  _globals['_TIMING']._serialized_end=717
+  _globals['_PREFILLTIMING']._serialized_start=719
+  _globals['_PREFILLTIMING']._serialized_end=790
+  _globals['_KVCACHESPEC']._serialized_start=793
+  _globals['_KVCACHESPEC']._serialized_end=921
+  _globals['_KVSHMOFFER']._serialized_start=923
+  _globals['_KVSHMOFFER']._serialized_end=983
+  _globals['_WORKERLOAD']._serialized_start=986
+  _globals['_WORKERLOAD']._serialized_end=1155
+  _globals['_STATSREQUEST']._serialized_start=1157
+  _globals['_STATSREQUEST']._serialized_end=1171
+  _globals['_STATSRESPONSE']._serialized_start=1174
+  _globals['_STATSRESPONSE']._serialized_end=1303
 # @@protoc_insertion_point(module_scope)
