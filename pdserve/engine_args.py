@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, cpu (C kernel) on CPU, torch if it cannot "
                         "be built")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: do not capture decode steps as CUDA graphs (slower; for "
+                        "debugging and parity checks)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the cores this process may run on)")
 
@@ -42,6 +45,7 @@ def engine_config_from_args(a: argparse.Namespace, **overrides) -> EngineConfig:
               kv_cache_dtype=None if a.kv_cache_dtype == "auto" else a.kv_cache_dtype,
               block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
               max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
-              enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads)
+              enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads,
+              enforce_eager=a.enforce_eager)
     kw.update(overrides)
     return EngineConfig(**kw)
