@@ -45,5 +45,5 @@ def test_gpu_check_dry_run(tmp_path):
     assert "error" not in e2e, e2e
     assert e2e["fixed_32_8"]["completed"] == 4 and not e2e["fixed_32_8"]["errors"]
     rows = {r["figure"]: r["result"] for r in report["verdict"]}
-    assert len(rows) == 15 and set(rows.values()) <= {"PASS", "FAIL", "MISSING"}
+    assert len(rows) == 13 and set(rows.values()) <= {"PASS", "FAIL", "MISSING"}
     assert rows["greedy parity, graphs vs --enforce-eager"] == "PASS"

@@ -159,7 +159,8 @@ class SamplingBuffers:
         if self._copied is None:
             host = packed[:n]
         else:
-            host = self._host_out[:n, :width]
+            # a contiguous view: a strided destination would go through a pageable temporary
+            host = self._host_out.view(-1)[:n * width].view(n, width)
             host.copy_(packed[:n], non_blocking=True)
             self._copied.record()
             self._copied.synchronize()

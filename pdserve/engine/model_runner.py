@@ -169,8 +169,11 @@ class ModelRunner:
         out = []
         if batch.sampling:
             rows = self._rows(batch.sampling)
-            flags = self.sampling.fill(rows, len(rows))
-            results = self.sampling.fetch(sample_on_device(logits, self.sampling, flags), rows)
+            bufs = self.sampling
+            if len(rows) > bufs.max_rows:  # more than max_num_seqs: one-off buffers
+                bufs = SamplingBuffers(len(rows), logits.shape[-1], self.device)
+            flags = bufs.fill(rows, len(rows))
+            results = bufs.fetch(sample_on_device(logits, bufs, flags), rows)
             out = [(s, tok, lp) for s, (tok, lp) in zip(batch.sampling, results)]
         self.last_timing = RunTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return out
