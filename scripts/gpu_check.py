@@ -771,8 +771,11 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(json.dumps(report, indent=1, default=str))
             print(f"[gpu_check] {name}: {'error: ' + res['error'] if 'error' in res else 'ok'}"
                   f" ({res['wall_s']} s)", flush=True)
-    report["verdict"] = serving.verdict(report)
-    serving.print_verdict(report["verdict"])
+    try:
+        report["verdict"] = serving.verdict(report)
+        serving.print_verdict(report["verdict"])
+    except Exception as e:  # noqa: BLE001 - the measurements are saved whatever happens
+        report["verdict_error"] = f"{type(e).__name__}: {e}"
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"[gpu_check] report: {out}", flush=True)
     return 0

@@ -324,13 +324,13 @@ def verdict(report: dict) -> list[dict]:
         "<= 1, pinned", None if d2h is None else d2h <= 1.0 and pg == 0)
     dec = {k: v for k, v in (get("decode_bandwidth") or {}).items() if isinstance(v, dict)}
     ratios = {k: round(v["triton_heuristic"]["GBps"] / v["sdpa"]["GBps"], 2) for k, v in
-              dec.items() if "GBps" in v.get("triton_heuristic", {}) and "GBps" in
-              v.get("sdpa", {})}
+              dec.items() if "GBps" in v.get("triton_heuristic", {})
+              and v.get("sdpa", {}).get("GBps")}
     row("paged decode / SDPA bandwidth, every shape", ratios, ">= 0.9x",
         None if not ratios else min(ratios.values()) >= 0.9)
     pre = {k: v for k, v in (get("prefill_tflops") or {}).items() if isinstance(v, dict)}
     pr = {k: round(v["triton"]["us"] / v["sdpa_causal"]["us"], 2) for k, v in pre.items()
-          if "us" in v.get("triton", {}) and "us" in v.get("sdpa_causal", {})}
+          if "us" in v.get("triton", {}) and v.get("sdpa_causal", {}).get("us")}
     row("prefill kernel time / causal SDPA, every shape", pr, "<= 1.3x",
         None if not pr else max(pr.values()) <= 1.3)
     ops = get("decode_step", "layer_ops")
