@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 
 # Whether a CPU engine sends decode steps through the static buffers. Off: without graphs
 # there is no launch cost to save, and padding to a bucket costs whole rows of compute.
-# Measured once (SmolLM2-135M, the offline bench's 16 mixed requests, 2 threads on a shared
-# machine, same engine, interleaved): decode step 1.12 s per-step tensors vs 1.96 s static,
-# identical tokens. The static path stays tested on the CPU (tests/test_static_decode.py).
+# Measured once (SmolLM2-135M, the offline bench's 16 mixed requests, 2 threads on a heavily
+# shared machine, one engine, runs interleaved): mean decode step 1.12 s and 2.06 s on the
+# per-step path, 1.96 s static: no gain beyond the noise; identical tokens. The static path
+# stays tested on the CPU (tests/test_static_decode.py).
 STATIC_DECODE_ON_CPU = False
 
 # Called after every layer with (layer index, the sequences whose prompt completes this step).
