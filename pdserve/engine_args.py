@@ -46,6 +46,8 @@ ENGINE_FLAGS = (
           "auto: triton on CUDA, cpu (C kernel) on CPU, torch if it cannot be built",
           {"choices": ["auto", "torch", "cpu", "triton"]}),
     _Flag("--no-prefix-caching", False, "disable prefix caching", switch=True),
+    _Flag("--enforce-eager", False, "CUDA: do not capture decode steps as CUDA graphs "
+          "(slower; for debugging and parity checks)", switch=True),
     _Flag("--threads", None, "torch threads (default: the cores this process may run on)",
           {"type": int}),
 )
@@ -77,6 +79,7 @@ def engine_config_from_args(a: argparse.Namespace, **overrides) -> EngineConfig:
               kv_cache_dtype=None if a.kv_cache_dtype == "auto" else a.kv_cache_dtype,
               block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
               max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
-              enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads)
+              enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads,
+              enforce_eager=a.enforce_eager)
     kw.update(overrides)
     return EngineConfig(**kw)

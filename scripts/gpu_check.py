@@ -19,6 +19,14 @@ every section.
                         at SmolLM2 and Llama-8B shapes: do the kernels pay for wiring in?
     engine_throughput   SmolLM2 generate() tokens/s with the triton backend (+ a greedy
                         parity glance against the torch backend)
+    decode_step         steady decode step at batch 64 / 1, GPU busy share and D2H copies
+                        per step (profiler), graph capture time / memory, greedy parity
+                        graphs vs --enforce-eager (scripts/gpu_check_serving.py)
+    e2e                 `pdserve up --device cuda` colocated and 1 prefill + 1 decode,
+                        loadgen mixed-64 and 64 x 1024/128 (scripts/gpu_check_serving.py)
+
+The report ends with `verdict`: PASS / FAIL / MISSING per target of issue 11's table, also
+printed one line each.
 
 `--only a,b` runs just those sections (in the order above).
 """
@@ -38,15 +46,20 @@ import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_serving as serving  # noqa: E402 - the sibling module, found through sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
-TOTAL_BUDGET_S = 450  # under the 8 minutes asked for, leaving room for setup
+TOTAL_BUDGET_S = 460  # under the 8 minutes asked for, leaving room for setup
 SECTIONS = {  # name -> time box in seconds
     "env": 40,
     "kernel_tests": 170,
     "decode_bandwidth": 100,
     "prefill_tflops": 150,  # ~20 sweep configs, each a compile
     "fused_ops": 75,  # ~45 s expected; torch.compile stops being tried past FUSED_COMPILE_S
-    "engine_throughput": 120,
+    "engine_throughput": 90,
+    "decode_step": 120,
+    "e2e": 230,
 }
 # (peak HBM bytes/s, dense bf16 FLOP/s) by a substring of torch's device name; first match.
 PEAKS = [
@@ -620,21 +633,7 @@ def _engine_model() -> str:
         resolve_model("smollm2-135m")
         return "smollm2-135m"
     except (ImportError, FileNotFoundError):
-        pass
-    import tempfile
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = os.path.join(tempfile.gettempdir(), "smollm2-135m-shaped")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                          head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                          rope_theta=100000.0, tie_word_embeddings=True)
-        LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+        return serving.shaped_model(dry_run=False, with_tokenizer=False)
 
 
 def section_engine_throughput(res: Result, dry_run: bool) -> None:
@@ -701,6 +700,8 @@ SECTION_FNS = {
     "prefill_tflops": section_prefill_tflops,
     "fused_ops": section_fused_ops,
     "engine_throughput": section_engine_throughput,
+    "decode_step": serving.section_decode_step,
+    "e2e": serving.section_e2e,
 }
 
 
@@ -770,6 +771,11 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(json.dumps(report, indent=1, default=str))
             print(f"[gpu_check] {name}: {'error: ' + res['error'] if 'error' in res else 'ok'}"
                   f" ({res['wall_s']} s)", flush=True)
+    try:
+        report["verdict"] = serving.verdict(report)
+        serving.print_verdict(report["verdict"])
+    except Exception as e:  # noqa: BLE001 - the measurements are saved whatever happens
+        report["verdict_error"] = f"{type(e).__name__}: {e}"
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"[gpu_check] report: {out}", flush=True)
     return 0

@@ -24,6 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: all usable cores
     show_progress: bool = True
+    enforce_eager: bool = False  # CUDA: no decode graphs (every step launched op by op)
 
     def __post_init__(self) -> None:
         dtype_from_name(self.dtype)

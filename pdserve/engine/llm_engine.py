@@ -112,9 +112,10 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(self.kv_spec, device)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv_cache, get_backend(
-            config.attention_backend, device), self.eos_token_ids)
         self.max_model_len = min(config.max_model_len or d.max_position, d.max_position)
+        self.runner = ModelRunner(self.model, self.kv_cache, get_backend(
+            config.attention_backend, device), self.eos_token_ids, config.max_num_seqs,
+            self.max_model_len, config.enforce_eager)
         self.seqs: dict[str, Sequence] = {}
         self.kv_connector: KVConnector = PagedKVConnector(self)
         self.counters = EngineCounters()

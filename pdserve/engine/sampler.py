@@ -1,12 +1,16 @@
-"""The sampler: logits of the rows being sampled -> one token (and logprobs) per row.
+"""The reference sampler: one row at a time, in plain torch, each rule as it is stated.
 
 Order per row: penalties -> min_tokens masking -> (greedy argmax) | temperature -> top-k ->
 top-p -> min-p -> draw. Logprobs are of the raw model distribution (before any processing),
-which is what OpenAI-compatible servers report. A row with a seed draws from a generator
-seeded by (seed, output position), so its tokens do not depend on what else is in the batch.
-A re-admitted request (`SamplingParams.output_offset`) counts the output it made elsewhere,
-now the tail of its prompt, in that position and in the output-only penalties: it draws the
-same sequence it would have drawn had it never moved.
+which is what OpenAI-compatible servers report. A row draws with the noise of
+`sampling_noise.exponential_noise` keyed by (seed, output position), so a seeded row's tokens
+do not depend on what else is in the batch, nor on the device. A re-admitted request
+(`SamplingParams.output_offset`) counts the output it made elsewhere, now the tail of its
+prompt, in that position and in the output-only penalties: it draws the same sequence it
+would have drawn had it never moved.
+
+The engine samples with `device_sampler` (the whole batch on the logits' device); this module
+is the definition it is tested against.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.sampling_noise import exponential_noise, row_seed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import TokenLogprobs
 
@@ -74,12 +79,8 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def _draw(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
     probs = logits.softmax(-1)
-    if p.seed is not None:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed((p.seed * 1_000_003 + position) % (2**63))
-        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=gen)
-    else:
-        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_()
+    noise = exponential_noise(torch.tensor([row_seed(p.seed)]), torch.tensor([position]),
+                              probs.shape[-1])[0]
     # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race)
     return int((probs.cpu() / noise).argmax())
 

@@ -40,6 +40,12 @@ def _load_kernels(device: torch.device):
     return store_kv, paged_decode_attention, prefill_attention
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    # A check is a device sync, which a CUDA graph capture forbids; a captured decode step
+    # reads block ids the scheduler wrote into the runner's buffers (the kernels mask).
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 @register_backend
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
@@ -68,7 +74,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         store_kv, _, _ = self._get_kernels(key.device)
         store_kv(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                 slot_mapping=slot_mapping, validate=slot_mapping is not self._checked_slots)
+                 slot_mapping=slot_mapping,
+                 validate=slot_mapping is not self._checked_slots and not _capturing(key))
         self._checked_slots = slot_mapping
 
     def forward(
@@ -80,7 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         _, decode, prefill = self._get_kernels(query.device)
-        validate = meta is not self._checked_meta
+        validate = meta is not self._checked_meta and not _capturing(query)
         nd = meta.num_decodes
         # the kernels take the query in the cache's dtype (a float32 model may keep its KV
         # cache in bfloat16: kv_cache_dtype)

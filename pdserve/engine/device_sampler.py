@@ -1,0 +1,238 @@
+"""The device sampler: the whole batch sampled on the logits' device, one copy to the host.
+
+Per-row parameters live in persistent tensors (`SamplingBuffers`, max-sized, filled in place
+each step), so the same code runs eagerly and inside a captured CUDA graph: no host sync,
+no data-dependent shape. The rules are those of the reference sampler (`sampler.py`):
+penalties -> min_tokens ban -> greedy argmax | temperature -> top-k -> top-p -> min-p ->
+exponential race with `sampling_noise`; logprobs of the raw distribution.
+
+`SampleFlags` says which of those stages a step needs. Eagerly a step runs only those (a CPU
+step should not sort the vocabulary for a batch of greedy rows); a captured graph runs
+`SampleFlags.ALL`, where every stage is a no-op for the rows that do not use it.
+
+The result of a step is ONE float64 tensor [rows, 2 + 2K] (token id, its logprob, K top
+logprobs, their ids — float64 holds every id exactly), copied once to a pinned host buffer,
+non-blocking, and synchronised once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampler import SampleRow
+from pdserve.engine.sampling_noise import exponential_noise, row_seed
+from pdserve.engine.sequence import TokenLogprobs
+
+MAX_LOGPROBS = 20  # SamplingParams.logprobs' bound; what a captured step computes
+
+# columns of SamplingBuffers.floats / .ints
+_TEMP, _TOP_P, _MIN_P, _REP, _PRES, _FREQ, _GREEDY = range(7)
+_TOP_K, _SEED, _POS = range(3)
+
+
+@dataclass(frozen=True)
+class SampleFlags:
+    """Which sampling stages a step runs (all of them in a captured graph)."""
+
+    penalties: bool = False  # repetition / presence / frequency
+    ban: bool = False  # min_tokens not reached: EOS and stop ids masked
+    random: bool = False  # some row is not greedy
+    sort: bool = False  # some row uses top-k or top-p
+    min_p: bool = False
+    logprobs: int = 0  # top logprobs computed per row (0: only the sampled token's)
+    any_logprobs: bool = False
+
+    @staticmethod
+    def of(rows: list[SampleRow], vocab: int) -> SampleFlags:
+        ps = [r.params for r in rows]
+        return SampleFlags(
+            penalties=any(p.repetition_penalty != 1.0 or p.presence_penalty
+                          or p.frequency_penalty for p in ps),
+            ban=any(len(r.output_token_ids) < r.params.min_tokens for r in rows),
+            random=any(not p.greedy for p in ps),
+            sort=any(not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0) for p in ps),
+            min_p=any(not p.greedy and p.min_p > 0.0 for p in ps),
+            logprobs=max((p.logprobs or 0 for p in ps), default=0),
+            any_logprobs=any(p.logprobs is not None for p in ps),
+        )
+
+
+SampleFlags.ALL = SampleFlags(True, True, True, True, True, MAX_LOGPROBS, True)
+
+
+class SamplingBuffers:
+    """Per-row sampling parameters for up to `max_rows` rows, on one device.
+
+    Life cycle: made once by the model runner; `fill` writes a step's rows (rows past them
+    up to the padded count become greedy no-ops) before the step runs; the dense [rows,
+    vocab] penalty tensors are allocated on first use (or by `ensure_dense` before capture)
+    and cleared as soon as they are not needed.
+    """
+
+    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
+        self.max_rows, self.vocab, self.device = max_rows, vocab, device
+        self.floats = torch.zeros(max_rows, 7, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(max_rows, 3, dtype=torch.long, device=device)
+        self.seen: torch.Tensor | None = None  # [R, V] bool: in prompt or output (repetition)
+        self.counts: torch.Tensor | None = None  # [R, V] float32: output counts
+        self.banned: torch.Tensor | None = None  # [R, V] bool: min_tokens not reached
+        self._dense_rows = 0  # rows of the dense tensors that may hold non-zeros
+        pin = device.type == "cuda"
+        self._host_floats = torch.empty(max_rows, 7, dtype=torch.float32, pin_memory=pin)
+        self._host_ints = torch.empty(max_rows, 3, dtype=torch.long, pin_memory=pin)
+        self._host_out = torch.empty(max_rows, 2 + 2 * MAX_LOGPROBS, dtype=torch.float64,
+                                     pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+
+    def ensure_dense(self) -> None:
+        if self.seen is None:
+            shape, dev = (self.max_rows, self.vocab), self.device
+            self.seen = torch.zeros(shape, dtype=torch.bool, device=dev)
+            self.counts = torch.zeros(shape, dtype=torch.float32, device=dev)
+            self.banned = torch.zeros(shape, dtype=torch.bool, device=dev)
+
+    def fill(self, rows: list[SampleRow], padded: int) -> SampleFlags:
+        """Write the rows' parameters (rows [len(rows), padded) as greedy no-ops)."""
+        n, vocab = len(rows), self.vocab
+        assert n <= padded <= self.max_rows, (n, padded, self.max_rows)
+        fl, il = [], []
+        for r in rows:
+            p = r.params
+            fl.append([1.0 if p.greedy else p.temperature, p.top_p, p.min_p,
+                       p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                       float(p.greedy)])
+            il.append([p.top_k if 0 < p.top_k < vocab else vocab,
+                       0 if p.greedy else row_seed(p.seed), len(r.history)])
+        fl += [[1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]] * (padded - n)
+        il += [[vocab, 0, 0]] * (padded - n)
+        hf, hi = self._host_floats[:padded], self._host_ints[:padded]
+        hf.copy_(torch.tensor(fl, dtype=torch.float32))
+        hi.copy_(torch.tensor(il, dtype=torch.long))
+        self.floats[:padded].copy_(hf, non_blocking=True)
+        self.ints[:padded].copy_(hi, non_blocking=True)
+        flags = SampleFlags.of(rows, vocab)
+        if flags.penalties or flags.ban or self._dense_rows:
+            self._fill_dense(rows, flags)
+        return flags
+
+    def _fill_dense(self, rows: list[SampleRow], flags: SampleFlags) -> None:
+        self.ensure_dense()
+        if self._dense_rows:
+            for t in (self.seen, self.counts, self.banned):
+                t[:self._dense_rows].zero_()
+        seen_r, seen_t, out_r, out_t, ban_r, ban_t = [], [], [], [], [], []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                toks = set(r.prompt_token_ids) | set(r.output_token_ids)
+                seen_t.extend(t for t in toks if t < self.vocab)
+                seen_r.extend([i] * (len(seen_t) - len(seen_r)))
+            if p.presence_penalty or p.frequency_penalty:
+                out_t.extend(t for t in r.history if t < self.vocab)
+                out_r.extend([i] * (len(out_t) - len(out_r)))
+            if len(r.output_token_ids) < p.min_tokens:
+                ban_t.extend(t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < self.vocab)
+                ban_r.extend([i] * (len(ban_t) - len(ban_r)))
+        dev = self.device
+
+        def idx(r: list[int], t: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.tensor(r, dtype=torch.long).to(dev, non_blocking=True),
+                    torch.tensor(t, dtype=torch.long).to(dev, non_blocking=True))
+
+        if seen_t:
+            self.seen.index_put_(idx(seen_r, seen_t), torch.ones((), dtype=torch.bool,
+                                                                 device=dev))
+        if out_t:
+            self.counts.index_put_(idx(out_r, out_t), torch.ones((), device=dev),
+                                   accumulate=True)
+        if ban_t:
+            self.banned.index_put_(idx(ban_r, ban_t), torch.ones((), dtype=torch.bool,
+                                                                 device=dev))
+        self._dense_rows = len(rows) if (seen_t or out_t or ban_t) else 0
+
+    def fetch(self, packed: torch.Tensor, rows: list[SampleRow]
+              ) -> list[tuple[int, TokenLogprobs | None]]:
+        """The one device -> host copy of a step's result, decoded per row."""
+        n, width = len(rows), packed.shape[1]
+        if self._copied is None:
+            host = packed[:n]
+        else:
+            # a contiguous view: a strided destination would go through a pageable temporary
+            host = self._host_out.view(-1)[:n * width].view(n, width)
+            host.copy_(packed[:n], non_blocking=True)
+            self._copied.record()
+            self._copied.synchronize()
+        k = (width - 2) // 2
+        vals = host.tolist()
+        out: list[tuple[int, TokenLogprobs | None]] = []
+        for row, v in zip(rows, vals):
+            tok = int(v[0])
+            info = None
+            if row.params.logprobs is not None:
+                want = row.params.logprobs
+                top = tuple((int(v[2 + k + j]), v[2 + j]) for j in range(want))
+                info = TokenLogprobs(tok, v[1], top)
+            out.append((tok, info))
+        return out
+
+
+def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleFlags
+                     ) -> torch.Tensor:
+    """logits [R, V] float32 -> [R, 2 + 2K] float64: token, its logprob, K top (logprob, id).
+
+    R rows of `bufs` are used (filled by `bufs.fill`); K = flags.logprobs."""
+    r = logits.shape[0]
+    f, i = bufs.floats[:r], bufs.ints[:r]
+    x = penalized(logits, bufs, flags)
+    tokens = x.argmax(-1)
+    if flags.random:
+        y = x / f[:, _TEMP, None]
+        if flags.sort:
+            y = _top_k_top_p(y, i[:, _TOP_K], f[:, _TOP_P])
+        if flags.min_p:
+            probs = y.softmax(-1)
+            y = y.masked_fill(probs < f[:, _MIN_P, None] * probs.amax(-1, keepdim=True),
+                              float("-inf"))
+        noise = exponential_noise(i[:, _SEED], i[:, _POS], y.shape[-1])
+        drawn = (y.softmax(-1) / noise).argmax(-1)
+        tokens = torch.where(f[:, _GREEDY] > 0, tokens, drawn)
+    cols = [tokens.to(torch.float64)[:, None]]
+    if flags.any_logprobs:
+        lp = logits.log_softmax(-1)
+        cols.append(lp.gather(1, tokens[:, None]).to(torch.float64))
+        if flags.logprobs:
+            top = lp.topk(flags.logprobs, dim=-1)
+            cols += [top.values.to(torch.float64), top.indices.to(torch.float64)]
+    else:
+        cols.append(torch.zeros_like(cols[0]))
+    return torch.cat(cols, dim=1)
+
+
+def penalized(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleFlags
+              ) -> torch.Tensor:
+    """Repetition (seen token: positive logit / r, negative * r), then frequency and
+    presence (minus f * count + p * [count > 0]), then the min_tokens ban."""
+    r = logits.shape[0]
+    x, f = logits, bufs.floats[:r]
+    if flags.penalties:
+        rep = f[:, _REP, None]
+        x = torch.where(bufs.seen[:r], torch.where(x > 0, x / rep, x * rep), x)
+        counts = bufs.counts[:r]
+        x = x - (f[:, _FREQ, None] * counts + f[:, _PRES, None] * (counts > 0).to(x.dtype))
+    if flags.ban:
+        x = x.masked_fill(bufs.banned[:r], float("-inf"))
+    return x
+
+
+def _top_k_top_p(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per-row top-k (ties at the k-th value kept) then top-p over what is left: a token
+    is dropped when the mass sorted before it already reaches top_p (at least one stays)."""
+    srt, order = y.sort(dim=-1, descending=True)
+    kth = srt.gather(1, (top_k - 1)[:, None])
+    srt = srt.masked_fill(srt < kth, float("-inf"))
+    y = y.masked_fill(y < kth, float("-inf"))
+    probs = srt.softmax(-1)
+    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    return y.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))

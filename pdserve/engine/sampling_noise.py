@@ -1,0 +1,50 @@
+"""The seed stream: the exponential noise a sampled token is drawn with, defined once.
+
+A draw is the exponential race: argmax(p / E) with E[v] ~ Exp(1) i.i.d. per vocab entry is
+an exact sample from p. E comes from a counter-based hash of (row seed, output position,
+vocab index) in 32-bit integer arithmetic, so the same seed gives the same tokens on any
+device (CPU or CUDA), at any batch size and batch position, with no generator state and no
+host sync (the graph-captured decode step can compute it). Rows without a seed get a fresh
+random seed per step from the host (`row_seed`), through the same function.
+
+Both the device sampler and the per-row reference sampler draw from `exponential_noise`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2**27: every product of a 32-bit value stays inside int64
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser on int64 tensors holding values in [0, 2**32)."""
+    x = (((x >> 16) ^ x) * _MUL) & _MASK32
+    x = (((x >> 16) ^ x) * _MUL) & _MASK32
+    return (x >> 16) ^ x
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B] int64 seeds in [0, 2**63) and output positions -> [B] 32-bit stream keys."""
+    k = _mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32)
+    k = _mix32(k)
+    return _mix32(k ^ (positions & _MASK32))
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] seeds, [B] positions -> [B, vocab] float32 Exp(1) noise on the seeds' device."""
+    keys = row_keys(seeds.long(), positions.long())  # [B]
+    idx = torch.arange(vocab, dtype=torch.long, device=seeds.device) * _GOLDEN  # < 2**50
+    bits = _mix32((keys[:, None] + idx[None, :]) & _MASK32)  # [B, V]
+    # 24 bits -> a uniform strictly inside (0, 1), exact in float32
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
+def row_seed(seed: int | None) -> int:
+    """The seed a row draws with this step: its own, else a fresh random one."""
+    return seed if seed is not None else random.getrandbits(63)

@@ -1,0 +1,166 @@
+"""The device sampler against the per-row reference sampler, and both against the rules
+written out by hand (top-p's smallest set, min-p's threshold, each penalty's formula)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdserve.engine.device_sampler import (
+    SampleFlags,
+    SamplingBuffers,
+    penalized,
+    sample_on_device,
+)
+from pdserve.engine.sampler import SampleRow, sample
+from pdserve.engine.sampling_noise import exponential_noise
+from pdserve.engine.sampling_params import SamplingParams
+
+VOCAB = 300
+EOS = (2,)
+LOGPROB_TOL = 1e-5  # float32 log_softmax of the same logits, batched vs one row
+
+
+def _device_sample(logits: torch.Tensor, rows: list[SampleRow], padded: int | None = None):
+    bufs = SamplingBuffers(8, logits.shape[1], logits.device)
+    padded = padded or len(rows)
+    flags = bufs.fill(rows, padded)
+    full = torch.cat([logits, torch.zeros(padded - len(rows), logits.shape[1])])
+    return bufs.fetch(sample_on_device(full, bufs, flags), rows)
+
+
+def _rows(params: list[SamplingParams], seed: int = 0) -> list[SampleRow]:
+    g = torch.Generator().manual_seed(seed)
+    return [SampleRow(p, torch.randint(0, VOCAB, (7,), generator=g).tolist(),
+                      torch.randint(0, VOCAB, (i + 1,), generator=g).tolist(), EOS)
+            for i, p in enumerate(params)]
+
+
+CASES = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.7, seed=11),
+    "top_k": dict(temperature=1.0, top_k=5, seed=12),
+    "top_k_1": dict(temperature=1.0, top_k=1),
+    "top_p": dict(temperature=1.3, top_p=0.6, seed=13),
+    "min_p": dict(temperature=1.0, min_p=0.2, seed=14),
+    "all_filters": dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, seed=15),
+    "repetition": dict(temperature=0.0, repetition_penalty=1.8),
+    "presence_frequency": dict(temperature=0.8, presence_penalty=1.5, frequency_penalty=0.7,
+                               seed=16),
+    "min_tokens": dict(temperature=0.0, min_tokens=5, stop_token_ids=[7]),
+    "logprobs": dict(temperature=0.6, seed=17, logprobs=5),
+    "logprobs_0": dict(temperature=0.0, logprobs=0),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_device_sampler_equals_reference(name):
+    torch.manual_seed(0)
+    params = [SamplingParams(**CASES[name]), SamplingParams(temperature=0.0),
+              SamplingParams(**{**CASES[name], "seed": 99} if "seed" in CASES[name]
+                             else CASES[name])]
+    rows = _rows(params)
+    for trial in range(5):
+        logits = torch.randn(len(rows), VOCAB) * 3
+        if name == "min_tokens":  # make EOS and the stop id the favourites
+            logits[:, EOS[0]] += 50
+            logits[:, 7] += 40
+        ref = sample(logits.clone(), rows)
+        dev = _device_sample(logits, rows, padded=4)
+        assert [t for t, _ in dev] == [t for t, _ in ref], (name, trial)
+        for (_, a), (_, b) in zip(dev, ref):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert math.isclose(a.logprob, b.logprob, abs_tol=LOGPROB_TOL)
+                assert [i for i, _ in a.top] == [i for i, _ in b.top]
+                assert all(math.isclose(x, y, abs_tol=LOGPROB_TOL)
+                           for (_, x), (_, y) in zip(a.top, b.top))
+    if name == "min_tokens":
+        assert dev[0][0] not in (EOS[0], 7) and dev[1][0] == EOS[0]
+
+
+def test_seeded_rows_ignore_batch_company():
+    torch.manual_seed(1)
+    logits = torch.randn(1, VOCAB)
+    alone = SamplingParams(temperature=1.0, seed=5)
+    row = _rows([alone])[0]
+    solo = _device_sample(logits, [row])[0][0]
+    others = _rows([SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)], seed=3)
+    batch = torch.cat([torch.randn(2, VOCAB), logits])
+    assert _device_sample(batch, [*others, row], padded=8)[2][0] == solo
+
+
+def test_noise_is_exponential_and_keyed():
+    n = exponential_noise(torch.tensor([3, 3, 4]), torch.tensor([0, 1, 0]), 20000)
+    assert n.min() > 0
+    assert abs(float(n.mean()) - 1.0) < 0.03 and abs(float(n.var()) - 1.0) < 0.08
+    assert not torch.equal(n[0], n[1]) and not torch.equal(n[0], n[2])
+    again = exponential_noise(torch.tensor([4]), torch.tensor([0]), 20000)
+    assert torch.equal(again[0], n[2])
+
+
+def _kept(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """Tokens the sampler can return: the support over many draws with different seeds."""
+    rows = [SampleRow(SamplingParams(**{**params.__dict__, "seed": s}), [], [], EOS)
+            for s in range(200)]
+    out = _device_sample_many(logits, rows)
+    return set(out)
+
+
+def _device_sample_many(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    bufs = SamplingBuffers(len(rows), logits.shape[-1], logits.device)
+    flags = bufs.fill(rows, len(rows))
+    packed = sample_on_device(logits.expand(len(rows), -1).contiguous(), bufs, flags)
+    return [t for t, _ in bufs.fetch(packed, rows)]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1])
+    logits = probs.log()
+    # by hand: sorted 0.4, 0.3 (0.7 < 0.75), + 0.15 reaches 0.85 >= 0.75 -> {1, 2, 3}
+    assert _kept(logits, SamplingParams(top_p=0.75)) == {1, 2, 3}
+    assert _kept(logits, SamplingParams(top_p=0.7)) == {1, 2}  # 0.7 reached exactly
+    assert _kept(logits, SamplingParams(top_p=0.3)) == {1}
+
+
+def test_top_k_and_min_p_thresholds():
+    probs = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1])
+    logits = probs.log()
+    assert _kept(logits, SamplingParams(top_k=2)) == {1, 2}
+    # min-p keeps p >= min_p * max_p: 0.3 * 0.4 = 0.12 -> {0.4, 0.3, 0.15}
+    assert _kept(logits, SamplingParams(min_p=0.3)) == {1, 2, 3}
+    assert _kept(logits, SamplingParams(min_p=0.74)) == {1, 2}  # 0.296 <= 0.3
+
+
+def test_penalty_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25,
+                       temperature=0.0)
+    # seen (prompt + output) = {0, 1, 3}; output counts: 3 twice, 1 once
+    row = SampleRow(p, [0, 1], [3, 1, 3], EOS)
+    bufs = SamplingBuffers(1, 6, torch.device("cpu"))
+    flags = bufs.fill([row], 1)
+    got = penalized(logits, bufs, flags)[0].tolist()
+    want = [2.0 / 2,  # seen, positive: divided
+            -1.0 * 2 - (0.25 * 1 + 0.5),  # seen, negative: multiplied; once in output
+            0.5,
+            3.0 / 2 - (0.25 * 2 + 0.5),  # seen; twice in output
+            -2.0, 1.0]
+    assert got == pytest.approx(want, abs=1e-6)
+    # the reference sampler's numbers, by the same formula
+    from pdserve.engine.sampler import _apply_penalties
+
+    assert _apply_penalties(logits[0].clone(), row).tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_flags_reflect_rows_and_all_runs_everything():
+    rows = _rows([SamplingParams(temperature=0.0)])
+    assert SampleFlags.of(rows, VOCAB) == SampleFlags()
+    logits = torch.randn(1, VOCAB)
+    bufs = SamplingBuffers(2, VOCAB, torch.device("cpu"))
+    bufs.ensure_dense()
+    bufs.fill(rows, 2)
+    everything = sample_on_device(torch.cat([logits, logits]), bufs, SampleFlags.ALL)
+    assert int(everything[0, 0]) == int(logits.argmax())  # every stage a no-op for greedy
