@@ -21,6 +21,7 @@ import tempfile
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(n)
                 for n in ("paged_decode.c", "paged_prefill.c", "layer_ops.c"))
+HEADERS = (pathlib.Path(__file__).with_name("common.h"),)
 # -ffast-math lets gcc vectorise the float reductions (dot products, sums) and exp2f;
 # -fopenmp resolves to the libgomp torch has already loaded (same soname), so the kernel
 # shares torch's thread pool instead of starting a second one on the same cores.
@@ -68,7 +69,7 @@ def library_path(cc: str | None = None) -> pathlib.Path:
     cc = cc or compiler()
     h = hashlib.sha256()
     flags = " ".join(cflags() + LIBS)
-    for part in (*(src.read_bytes() for src in SOURCES), cc.encode(), flags.encode(),
+    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), cc.encode(), flags.encode(),
                  platform.machine().encode(), _cpu_features().encode()):
         h.update(part)
         h.update(b"\0")
