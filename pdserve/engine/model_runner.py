@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.llama import LlamaModel
 from pdserve.engine.sampler import SampleRow, sample
 from pdserve.engine.scheduler import ScheduledSeq
