@@ -19,9 +19,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu() -> SiluMul:
-    from pdserve.engine.cpu_kernels.layer_ops import silu_mul as op
+    from pdserve.engine.cpu_kernels import layer_ops, library
 
-    return op
+    library.load()  # build now: a missing compiler shows at model load, not mid-step
+    return layer_ops.silu_mul
 
 
 def _triton() -> SiluMul:

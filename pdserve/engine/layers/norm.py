@@ -34,9 +34,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 def _cpu() -> AddRmsNorm:
-    from pdserve.engine.cpu_kernels.layer_ops import add_rms_norm as op
+    from pdserve.engine.cpu_kernels import layer_ops, library
 
-    return op
+    library.load()  # build now: a missing compiler shows at model load, not mid-step
+    return layer_ops.add_rms_norm
 
 
 def _triton() -> AddRmsNorm:

@@ -52,9 +52,10 @@ class LayerOps:
     linear: linear.Linear
 
 
-def build_layer_ops(impl: str, device: torch.device) -> LayerOps:
+def build_layer_ops(impl: str, device: torch.device | str) -> LayerOps:
     """The bundle of implementation `impl`; raises what its fast paths raise when they
     cannot start."""
+    device = torch.device(device)
     if impl not in norm.IMPLS:
         raise ValueError(f"layer ops must be one of {sorted(norm.IMPLS)}, got {impl!r}")
     rope = rotary.IMPLS[impl]()

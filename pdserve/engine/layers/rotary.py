@@ -50,8 +50,10 @@ def _by_position(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 def _cpu() -> Rope:
+    from pdserve.engine.cpu_kernels import library
     from pdserve.engine.cpu_kernels.layer_ops import rope_
 
+    library.load()  # build now: a missing compiler shows at model load, not mid-step
     return Rope(_by_position, lambda qk, tables: rope_(qk, *tables))
 
 
