@@ -10,9 +10,6 @@ import pytest
 import torch
 from conftest import assert_pool_clean, tiny_engine
 
-from pdserve.engine.layers import registry
-from pdserve.engine.layers.attention import AttentionMetadata
-from pdserve.engine.layers.registry import get_backend
 from pdserve.engine.attention.cpu_backend import CpuAttentionBackend
 from pdserve.engine.attention.torch_backend import (
     TorchAttentionBackend,
@@ -23,6 +20,9 @@ from pdserve.engine.cpu_kernels import build
 from pdserve.engine.cpu_kernels.build import KernelBuildError
 from pdserve.engine.cpu_kernels.paged_decode import paged_decode_attention
 from pdserve.engine.cpu_kernels.paged_prefill import paged_prefill_attention
+from pdserve.engine.layers import registry
+from pdserve.engine.layers.attention import AttentionMetadata
+from pdserve.engine.layers.registry import get_backend
 from pdserve.engine.sampling_params import SamplingParams
 
 PAD = -7  # table entries past a sequence's blocks: never read, so never checked
