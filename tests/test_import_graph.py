@@ -5,8 +5,8 @@ module-level `import` / `from ... import` of a pdserve.engine module, to the mos
 module that exists (`from pkg import mod` names the submodule), plus the packages Python
 runs on the way (importing a.b.c runs a/__init__ and a/b/__init__), except the importer's
 own ancestors, which are already running (named outright, as `from a.b import X` in a.b.c,
-they are edges: a package whose __init__ imports a.b.c would be a loop). Imports inside functions are the lazy ones the
-registry and the backends rely on, so they are not edges.
+they are edges: a package whose __init__ imports a.b.c would be a loop). Imports inside
+functions are the lazy ones the registry and the backends rely on, so they are not edges.
 """
 
 from __future__ import annotations
