@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load, register_fake, typed_op
+from pdserve.engine.cpu_kernels.library import (
+    DTYPE_CODES,
+    load,
+    register_fake,
+    require,
+    typed_op,
+)
 
 
 def _check(**tensors: torch.Tensor | None) -> int:
@@ -37,6 +43,7 @@ def _check(**tensors: torch.Tensor | None) -> int:
 
 def _check_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None,
                         weight: torch.Tensor) -> int:
+    require(x=x, weight=weight)
     dt = _check(x=x, delta=delta, weight=weight)
     if x.dim() != 2 or weight.shape != (x.shape[1],) or not weight.is_contiguous():
         raise ValueError(f"x must be [T, H] and weight [H], got {tuple(x.shape)} and "
@@ -71,6 +78,7 @@ def _(x, delta, weight, eps):
 
 def _check_rope(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> int:
+    require(qk=qk, positions=positions, cos=cos, sin=sin)
     dt = _check(qk=qk, cos=cos, sin=sin)
     if qk.dim() != 3 or (qk.shape[1] > 1 and qk.stride(1) != qk.shape[2]):
         raise ValueError(f"qk must be [T, heads, D] with packed heads, got shape "
@@ -119,6 +127,7 @@ def rope_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
 
 
 def _check_silu_mul(gate_up: torch.Tensor) -> int:
+    require(gate_up=gate_up)
     dt = _check(gate_up=gate_up)
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
         raise ValueError(f"gate_up must be a contiguous [T, 2I], got {tuple(gate_up.shape)}")

@@ -90,3 +90,11 @@ def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callab
 def register_fake(name: str) -> Callable[[Callable], Callable]:
     """Decorator: the fake (metadata-only) implementation of `pdserve::<name>`."""
     return torch.library.register_fake(f"pdserve::{name}", lib=_LIB)
+
+
+def require(**tensors: torch.Tensor | None) -> None:
+    """ValueError naming the first argument that is None: a `Tensor` in an op's schema
+    accepts None at the call (an undefined tensor), so each op checks its own."""
+    for name, t in tensors.items():
+        if t is None:
+            raise ValueError(f"{name} must be a tensor, got None")

@@ -12,7 +12,13 @@ import ctypes
 
 import torch
 
-from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load, register_fake, typed_op
+from pdserve.engine.cpu_kernels.library import (
+    DTYPE_CODES,
+    load,
+    register_fake,
+    require,
+    typed_op,
+)
 
 MAX_HEAD_DIM = 256
 
@@ -22,6 +28,8 @@ def shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out, num_seqs=
     block_tables have one row per sequence (num_seqs, default: one per query row).
     Conditions first and messages only on failure: this runs for every layer of every
     step."""
+    require(query=query, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens,
+            block_tables=block_tables)
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("seq_lens", seq_lens), ("block_tables", block_tables), ("out", out)):
         if t is not None and t.device.type != "cpu":
@@ -93,6 +101,7 @@ def _paged_decode_attention(
     scale: float,
     out: torch.Tensor,  # [B, Hq, D] contiguous, query's dtype
 ) -> None:
+    require(out=out)
     err = shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out)
     if err:
         raise ValueError(err)
@@ -113,6 +122,7 @@ def _paged_decode_attention(
 
 @register_fake("paged_decode_attention")
 def _(query, k_cache, v_cache, seq_lens, block_tables, scale, out):
+    require(out=out)
     err = shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out)
     if err:
         raise ValueError(err)

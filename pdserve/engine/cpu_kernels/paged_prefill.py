@@ -13,7 +13,13 @@ from itertools import accumulate
 
 import torch
 
-from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load, register_fake, typed_op
+from pdserve.engine.cpu_kernels.library import (
+    DTYPE_CODES,
+    load,
+    register_fake,
+    require,
+    typed_op,
+)
 from pdserve.engine.cpu_kernels.paged_decode import check_tables, shape_errors
 
 
@@ -25,6 +31,7 @@ def supports_head_dim(head_dim: int) -> bool:
 def _check(query, k_cache, v_cache, query_lens, seq_lens, block_tables, out
            ) -> torch.Tensor:
     """seq_lens as an int32 tensor, after every check that needs no cache data."""
+    require(out=out)
     p = len(query_lens)
     if len(seq_lens) != p:
         raise ValueError(f"seq_lens has {len(seq_lens)} entries, query_lens {p}")
