@@ -62,7 +62,7 @@ SHAPES = {
     "d64_g3": (9, 3, 64),  # SmolLM2-135M
 }
 DTYPES = ("fp16", "bf16", "fp32")  # all three are cache dtypes the launchers accept
-KERNELS = ("store_kv", "prefill", "decode", "decode_split", "rms_norm", "rotary")
+KERNELS = ("store_kv", "prefill", "decode", "decode_split", "rms_norm", "rotary", "silu_mul")
 
 # Non-default launcher arguments worth knowing about (gpu_check.py's sweeps), advisory.
 PREFILL_SWEEP = [
@@ -155,11 +155,12 @@ def capture_launches(case: Case) -> list:
     """Run the case's launcher on CPU tensors; return its [(jit fn, grid, kwargs)]."""
     import torch
 
-    import pdserve.engine.kernels as kernels_pkg
+    import pdserve.engine.kernels.common as kernels_pkg
     from pdserve.engine.kernels import paged_decode_attention as dec
     from pdserve.engine.kernels import prefill_attention as pre
     from pdserve.engine.kernels import rms_norm as rms
     from pdserve.engine.kernels import rotary as rot
+    from pdserve.engine.kernels import silu_mul as act
     from pdserve.engine.kernels import store_kv as sto
 
     if kernels_pkg.interpreted():
@@ -178,7 +179,7 @@ def capture_launches(case: Case) -> list:
         setattr(module, name, value)
 
     try:
-        for module in (dec, pre, sto, rms, rot):
+        for module in (dec, pre, sto, rms, rot, act):
             patch(module, "check_device", lambda *tensors: None)  # CPU tensors stand in
         patch(sto, "_store_kv_kernel", _Recorder(sto._store_kv_kernel, launches))
         patch(pre, "_prefill_kernel", _Recorder(pre._prefill_kernel, launches))
@@ -186,6 +187,7 @@ def capture_launches(case: Case) -> list:
         patch(dec, "_reduce_kernel", _Recorder(dec._reduce_kernel, launches))
         patch(rms, "_rms_norm_kernel", _Recorder(rms._rms_norm_kernel, launches))
         patch(rot, "_rotary_kernel", _Recorder(rot._rotary_kernel, launches))
+        patch(act, "_silu_mul_kernel", _Recorder(act._silu_mul_kernel, launches))
 
         if case.kernel == "store_kv":
             t = 256
@@ -227,6 +229,10 @@ def capture_launches(case: Case) -> list:
                 sin=torch.zeros(max_position, d, dtype=dt),
                 positions=torch.arange(t, dtype=torch.int64), num_q_heads=hq,
                 num_kv_heads=hkv, head_dim=d, validate=False)
+        elif case.kernel == "silu_mul":
+            # intermediate size 4 * hidden (the kernel's block is capped, so any wide row
+            # compiles the same config)
+            act.silu_mul(torch.zeros(256, 2 * 4 * hq * d, dtype=dt))
         else:
             raise ValueError(f"unknown kernel {case.kernel!r}")
     finally:

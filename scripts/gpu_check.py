@@ -310,8 +310,8 @@ def section_env(res: Result, dry_run: bool) -> None:
         res.update(sms=p.multi_processor_count, memory_GiB=round(p.total_memory / 2**30, 1),
                    capability=f"{p.major}.{p.minor}")
     # Proves the kernel modules and the backend import (and register) here.
-    from pdserve.engine.attention import available_backends
-    from pdserve.engine.kernels import interpreted
+    from pdserve.engine.kernels.common import interpreted
+    from pdserve.engine.layers.registry import available_backends
 
     res["backends"] = available_backends()
     res["kernels_interpreted"] = interpreted()
@@ -438,7 +438,7 @@ def _fused_case(kind: str, device: str, dtype, t: int, shape: dict) -> dict:
         rows_per_program,
     )
     from pdserve.engine.kernels.rotary import rope_reference, rotary_embedding, rotary_reference
-    from pdserve.engine.llama import rms_norm
+    from pdserve.engine.layers.norm import rms_norm
 
     torch.manual_seed(0)
     es = torch.empty((), dtype=dtype).element_size()

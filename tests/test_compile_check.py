@@ -48,12 +48,13 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     report = json.loads(out.read_text())
     rows = report["rows"]
     # Every default case compiled: 2 shapes x 3 dtypes x (store_kv, prefill, decode,
-    # decode split + reduce, rms_norm with and without the residual add, rotary).
-    assert len(rows) == 2 * 3 * 8, [r["case"] for r in rows]
+    # decode split + reduce, rms_norm with and without the residual add, rotary, silu_mul).
+    assert len(rows) == 2 * 3 * 9, [r["case"] for r in rows]
     assert all(r["ok"] and not r["failed"] for r in rows)
     assert {r["kernel"] for r in rows} == {"_store_kv_kernel", "_prefill_kernel",
                                            "_decode_kernel", "_reduce_kernel",
-                                           "_rms_norm_kernel", "_rotary_kernel"}
+                                           "_rms_norm_kernel", "_rotary_kernel",
+                                           "_silu_mul_kernel"}
     for r in rows:
         assert 0 <= r["shared"] <= 227 * 1024, r
         assert r["n_regs"] and r["n_regs"] <= 255, r

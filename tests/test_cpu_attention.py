@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import assert_pool_clean, tiny_engine
 
-from pdserve.engine.attention import AttentionMetadata, backend, get_backend
 from pdserve.engine.attention.cpu_backend import CpuAttentionBackend
 from pdserve.engine.attention.torch_backend import (
     TorchAttentionBackend,
@@ -21,6 +20,9 @@ from pdserve.engine.cpu_kernels import build
 from pdserve.engine.cpu_kernels.build import KernelBuildError
 from pdserve.engine.cpu_kernels.paged_decode import paged_decode_attention
 from pdserve.engine.cpu_kernels.paged_prefill import paged_prefill_attention
+from pdserve.engine.layers import registry
+from pdserve.engine.layers.attention import AttentionMetadata
+from pdserve.engine.layers.registry import get_backend
 from pdserve.engine.sampling_params import SamplingParams
 
 PAD = -7  # table entries past a sequence's blocks: never read, so never checked
@@ -299,12 +301,13 @@ def test_auto_picks_cpu_and_falls_back_to_torch(monkeypatch, caplog):
         raise KernelBuildError("no C compiler found")
 
     monkeypatch.setattr("pdserve.engine.attention.cpu_backend.load", broken)
-    monkeypatch.setattr(backend, "_cpu_fallback_logged", False)
+    monkeypatch.setattr(registry, "_warned", set())
     with caplog.at_level(logging.WARNING):
         assert isinstance(get_backend("auto", "cpu"), TorchAttentionBackend)
         assert isinstance(get_backend("auto", "cpu"), TorchAttentionBackend)
-    assert [r.message for r in caplog.records].count(
-        "cpu attention kernel unavailable, using torch: no C compiler found") == 1
+    assert [r.getMessage() for r in caplog.records].count(
+        "cpu attention kernels unavailable (no C compiler found); using the `torch` attention "
+        "backend") == 1
     with pytest.raises(KernelBuildError):
         get_backend("cpu")  # asked for by name: the error, not a silent fallback
 

@@ -18,10 +18,9 @@ import torch
 from pdserve.engine.attention.torch_backend import (decode_attention_reference,
                                             prefill_attention_reference)
 from pdserve.engine.cpu_kernels.build import library_path
-from pdserve.engine.cpu_kernels.layer_ops import CpuLayerOps
 from pdserve.engine.cpu_kernels.paged_decode import paged_decode_attention
 from pdserve.engine.cpu_kernels.paged_prefill import paged_prefill_attention
-from pdserve.engine.llama import LayerOps
+from pdserve.engine.layers.registry import build_layer_ops
 
 def close(got, want, dtype=torch.float32):
     # float32: summation order; bf16 inputs, float32 math, one rounding at the end
@@ -49,7 +48,7 @@ for d in (64, 48):
                                       [s for _, s in chunks], tables[:3], 0.1),
               prefill_attention_reference(q.float(), kc.float(), vc.float(), [0, 5, 35, 105],
                                           [5, 100, 70], tables[:3], 0.1), dtype)
-ref, cpu = LayerOps(), CpuLayerOps()
+ref, cpu = (build_layer_ops(n, torch.device('cpu')) for n in ('torch', 'cpu'))
 x, delta, w = torch.randn(300, 576), torch.randn(300, 576), torch.randn(576)
 close(cpu.add_rms_norm(x.clone(), delta, w, 1e-5), ref.add_rms_norm(x.clone(), delta, w, 1e-5))
 gu = torch.randn(300, 3072)

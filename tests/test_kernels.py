@@ -21,7 +21,7 @@ from pdserve.engine.attention.torch_backend import (
     prefill_attention_reference,
     store_kv_reference,
 )
-from pdserve.engine.kernels import interpreted, paged_offsets
+from pdserve.engine.kernels.common import interpreted, paged_offsets
 from pdserve.engine.kernels.paged_decode_attention import paged_decode_attention, use_split_k
 from pdserve.engine.kernels.prefill_attention import prefill_attention
 from pdserve.engine.kernels.store_kv import store_kv

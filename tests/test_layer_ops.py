@@ -1,6 +1,6 @@
-"""The C layer ops (engine/cpu_kernels/layer_ops.c) against the eager-torch `LayerOps`
-reference: residual add + RMSNorm, RoPE in place, SiLU-and-multiply; their input checks;
-and which implementation the model picks.
+"""The C layer ops (engine/cpu_kernels/layer_ops.c) against the eager-torch references of
+pdserve.engine.layers (the `torch` bundle): residual add + RMSNorm, RoPE in place,
+SiLU-and-multiply; their input checks; and which implementation the model picks.
 
 Tolerances: float32 differs from the reference only in summation order (1e-5). In
 bfloat16 the reference rounds to bf16 after every op and the kernels once at the end, so
@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.cpu_kernels.layer_ops import CpuLayerOps, add_rms_norm, rope_, silu_mul
-from pdserve.engine.llama import LayerOps
+from pdserve.engine.cpu_kernels.layer_ops import add_rms_norm, rope_, silu_mul
+from pdserve.engine.layers import registry
+from pdserve.engine.layers.registry import build_layer_ops, layer_ops
 
-REF, CPU = LayerOps(), CpuLayerOps()
+REF, CPU = (build_layer_ops(name, torch.device("cpu")) for name in ("torch", "cpu"))
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 # 0 and 1 rows; 300 x 576 is past the size where rows are split over threads
 ROWS = [0, 1, 7, 300]
@@ -138,15 +139,21 @@ def test_model_picks_cpu_ops_and_falls_back(monkeypatch, caplog):
     import logging
 
     from pdserve.engine.cpu_kernels.build import KernelBuildError
-    from pdserve.engine.llama import pick_layer_ops
 
-    assert isinstance(pick_layer_ops(torch.device("cpu")), CpuLayerOps)
+    assert layer_ops("cpu").name == "cpu"
+    assert layer_ops("cpu").add_rms_norm is add_rms_norm  # the typed op itself
 
-    def broken(self):
-        raise KernelBuildError("no C compiler found")
+    def broken():
+        raise KernelBuildError("no C compiler found\nmore compiler output")
 
-    monkeypatch.setattr(CpuLayerOps, "__init__", broken)
+    monkeypatch.setattr("pdserve.engine.cpu_kernels.library.load", broken)
+    monkeypatch.setattr(registry, "_warned", set())
     with caplog.at_level(logging.WARNING):
-        ops = pick_layer_ops(torch.device("cpu"))
-    assert type(ops) is LayerOps
-    assert "cpu layer ops unavailable, using torch: no C compiler found" in caplog.text
+        ops = layer_ops(torch.device("cpu"))
+        assert layer_ops(torch.device("cpu")).name == "torch"
+    assert ops.name == "torch"
+    # one line, once, naming the fallback
+    assert [r.getMessage() for r in caplog.records] == [
+        "cpu layer ops unavailable (no C compiler found); using the eager torch layer ops"]
+    with pytest.raises(KernelBuildError):
+        build_layer_ops("cpu", torch.device("cpu"))  # asked for by name: the error

@@ -9,10 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, get_backend
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.attention.triton_backend import TritonAttentionBackend
-from pdserve.engine.kernels import interpreted
+from pdserve.engine.kernels.common import interpreted
+from pdserve.engine.layers.attention import AttentionMetadata
+from pdserve.engine.layers.registry import get_backend
 
 # Compiled on a GPU by scripts/gpu_check.py; the torch backend stays on the CPU there
 # (its prefill reference builds masks on the CPU).

@@ -1,5 +1,5 @@
-"""The element-wise ops of a decoder layer on the CPU, one call each: eager torch
-(`pdserve.engine.llama.LayerOps`) against the C kernels (`pdserve.engine.cpu_kernels.layer_ops`), on
+"""The element-wise ops of a decoder layer on the CPU, one call each: eager torch against
+the C ops (the `torch` and `cpu` bundles of `pdserve.engine.layers.registry`), on
 SmolLM2-135M's shapes (hidden 576, 9 + 3 heads of 64, intermediate 1536).
 
     python -m pdserve.bench.cpu_layer_ops [--iters 200] [--threads N]
@@ -16,8 +16,7 @@ import time
 
 import torch
 
-from pdserve.engine.cpu_kernels.layer_ops import CpuLayerOps
-from pdserve.engine.llama import LayerOps
+from pdserve.engine.layers.registry import LayerOps, build_layer_ops
 
 HIDDEN, HEADS, HEAD_DIM, INTER, MAX_POS = 576, 12, 64, 1536, 8192
 
@@ -49,7 +48,8 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
-    impls = {"torch": LayerOps(), "c": CpuLayerOps()}
+    cpu = torch.device("cpu")
+    impls = {"torch": build_layer_ops("torch", cpu), "c": build_layer_ops("cpu", cpu)}
     print(f"threads={torch.get_num_threads()}; microseconds per call, torch -> C")
     print(f"{'dtype':>8} {'T':>5} | {'add+rmsnorm':>16} | {'rope (q+k)':>16} | "
           f"{'silu*up':>16}")

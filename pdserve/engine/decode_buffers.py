@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention.backend import AttentionMetadata
+from pdserve.engine.layers.attention import AttentionMetadata
 from pdserve.engine.scheduler import ScheduledSeq
 
 _ID, _POS, _SLOT, _LEN = range(4)

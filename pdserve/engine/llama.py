@@ -2,21 +2,21 @@
 
 One call runs T tokens from many sequences at once (varlen): no padding, one big matmul per
 projection. Q/K/V and gate/up projections are fused into single weights at load time.
-Logits are computed only for the rows the caller samples from.
+Logits are computed only for the rows the caller samples from. The layer ops (norm, RoPE,
+activation, projections) come from pdserve.engine.layers.registry, per device.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.layers.registry import layer_ops
 
 
 @dataclass(frozen=True)
@@ -60,78 +60,6 @@ class LayerWeights:
 LayerHook = Callable[[int], None]
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T through oneDNN's matmul. On the CPU `F.linear` in float32 goes to MKL's
-    sgemm, which re-packs the weight on every call: 1.2-2.5x slower at decode batch sizes
-    (up to 4x for the LM head), measured in docs/benchmarks.md section 1."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
-def pick_linear(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        return onednn_linear
-    return F.linear
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # computed in float32 like the reference implementation, then cast back
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the Llama / transformers convention); cos/sin broadcast to x."""
-    return x * cos + _rotate_half(x) * sin
-
-
-class LayerOps:
-    """The element-wise ops of a decoder layer in eager torch: the reference, and what runs
-    where no fused implementation exists (pdserve.engine.cpu_kernels.layer_ops has the CPU one)."""
-
-    name = "torch"
-
-    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-        """x += delta in place (the residual stream; None: no add), then RMSNorm(x)."""
-        if delta is not None:
-            x.add_(delta)
-        return rms_norm(x, weight, eps)
-
-    def rope_tables(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                    ) -> Any:
-        """What `rope` needs for these positions, built once per forward for all layers."""
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D]
-
-    def rope(self, qk: torch.Tensor, tables: Any) -> torch.Tensor:
-        """qk [T, heads, D] with RoPE applied (in place where the implementation can)."""
-        return apply_rope(qk, *tables)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for gate_up [T, 2I] = [gate | up]."""
-        inter = gate_up.shape[-1] // 2
-        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-
-
-def pick_layer_ops(device: torch.device) -> LayerOps:
-    """The C ops on the CPU when they build (about 10 % of a CPU step is element-wise work in
-    eager torch), else the eager ones."""
-    if device.type == "cpu":
-        from pdserve.engine.cpu_kernels.build import KernelBuildError
-        from pdserve.engine.cpu_kernels.layer_ops import CpuLayerOps
-
-        try:
-            return CpuLayerOps()
-        except KernelBuildError as e:
-            logging.getLogger(__name__).warning("cpu layer ops unavailable, using torch: %s", e)
-    return LayerOps()
-
-
 class LlamaModel:
     """Weights + forward. Not an nn.Module: nothing here is trained."""
 
@@ -163,8 +91,8 @@ class LlamaModel:
                 down=w(p + "mlp.down_proj.weight"),
             ))
         self._init_rope(hf_config)
-        self.linear = pick_linear(device)
-        self.ops = pick_layer_ops(device)
+        # the per-device ops (C on the CPU, Triton on CUDA, else eager torch)
+        self.ops = layer_ops(device)
 
     def _init_rope(self, hf_config: Any) -> None:
         # The model's own RoPE parameters (theta, scaling type) as transformers computes them.
@@ -195,7 +123,8 @@ class LlamaModel:
         t = input_ids.shape[0]
         q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         scale = d.head_dim ** -0.5
-        linear, ops, eps = self.linear, self.ops, d.rms_norm_eps
+        ops, eps = self.ops, d.rms_norm_eps
+        linear = ops.linear
         rope = ops.rope_tables(positions, self.cos, self.sin)
         x = self.embed[input_ids]  # [T, H], the residual stream, updated in place
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)

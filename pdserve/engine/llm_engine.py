@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCacheSpec, PagedKVCache, dtype_from_name
 from pdserve.engine.kv_connector import KVConnector, KVSaver, PagedKVConnector
+from pdserve.engine.layers.registry import get_backend
 from pdserve.engine.llama import LlamaDims, LlamaModel
 from pdserve.engine.model_loader import (
     ModelSource,

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.decode_buffers import DecodeBuffers, bucket_for, decode_buckets, is_pure_decode
 from pdserve.engine.device_sampler import SampleFlags, SamplingBuffers, sample_on_device
 from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.llama import LlamaModel
 from pdserve.engine.sampler import SampleRow
 from pdserve.engine.scheduler import ScheduledSeq

@@ -1,14 +1,5 @@
-"""Attention backends behind one interface; `get_backend(name)` picks one by name."""
-
-from pdserve.engine.attention.backend import (
-    AttentionBackend,
-    AttentionMetadata,
-    available_backends,
-    get_backend,
-    register_backend,
-)
-
-__all__ = [
-    "AttentionBackend", "AttentionMetadata", "available_backends", "get_backend",
-    "register_backend",
-]
+"""Attention backends, one per module, implementing pdserve.engine.layers.attention's
+interface: `torch` (the references), `cpu` (the C kernels), `triton` (the Triton kernels).
+Chosen by name through pdserve.engine.layers.registry.get_backend; nothing is imported
+here, so a backend's dependencies load only when it is chosen.
+"""

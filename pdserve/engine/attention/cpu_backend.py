@@ -9,14 +9,12 @@ torch reference for the prefill chunks.
 
 from __future__ import annotations
 
-from pdserve.engine.attention.backend import register_backend
 from pdserve.engine.attention.torch_backend import DecodeThenPrefillBackend
 from pdserve.engine.cpu_kernels.library import load
 from pdserve.engine.cpu_kernels.paged_decode import paged_decode_attention
 from pdserve.engine.cpu_kernels.paged_prefill import paged_prefill_attention, supports_head_dim
 
 
-@register_backend
 class CpuAttentionBackend(DecodeThenPrefillBackend):
     name = "cpu"
 

@@ -15,7 +15,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 
 
 def store_kv_reference(
@@ -215,7 +215,6 @@ class DecodeThenPrefillBackend(AttentionBackend):
         return out
 
 
-@register_backend
 class TorchAttentionBackend(DecodeThenPrefillBackend):
     name = "torch"
 

@@ -17,21 +17,21 @@ import os
 import sys
 
 import torch
-import triton  # noqa: F401  (an ImportError here keeps the backend unregistered)
+import triton  # noqa: F401  (an ImportError here: the registry lists no triton backend)
 
-from pdserve.engine.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 
 
 def _load_kernels(device: torch.device):
-    if device.type == "cpu" and "pdserve.engine.kernels" not in sys.modules:
+    if device.type == "cpu" and "pdserve.engine.kernels.common" not in sys.modules:
         # Interpreter mode is fixed when a kernel is decorated, i.e. at this import.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from pdserve.engine import kernels
+    from pdserve.engine.kernels.common import interpreted
     from pdserve.engine.kernels.paged_decode_attention import paged_decode_attention
     from pdserve.engine.kernels.prefill_attention import prefill_attention
     from pdserve.engine.kernels.store_kv import store_kv
 
-    if device.type == "cpu" and not kernels.interpreted():
+    if device.type == "cpu" and not interpreted():
         raise RuntimeError(
             "the triton attention backend on a CPU device needs the Triton interpreter: set "
             "TRITON_INTERPRET=1 in the environment before pdserve.engine.kernels is first imported "
@@ -46,7 +46,6 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-@register_backend
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 

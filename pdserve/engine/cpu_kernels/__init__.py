@@ -1,7 +1,10 @@
-"""CPU kernels in plain C, compiled with the system compiler at first use and called
-through ctypes (no torch headers, so a build takes about a second, not minutes).
+"""CPU kernels in plain C, compiled once with the system compiler (at install: the Makefile
+runs `python -m pdserve.engine.cpu_kernels.build`; else at first use) and called through
+ctypes behind typed torch ops (no torch headers, so a build takes seconds, not minutes).
 
-`build` compiles and caches the library, `library` loads it; `paged_decode` launches the
-paged decode-attention kernel and `layer_ops` the element-wise layer ops. Nothing is
-imported here, so `python -m pdserve.engine.cpu_kernels.build` runs the module exactly once.
+`build` compiles and caches the library, `library` loads it and registers the ops
+(`torch.ops.pdserve.*`); `paged_decode` / `paged_prefill` are the attention ops and
+`layer_ops` the element-wise layer ops; `common.h` holds what the three .c files share.
+Nothing is imported here, so `python -m pdserve.engine.cpu_kernels.build` runs the module
+exactly once.
 """

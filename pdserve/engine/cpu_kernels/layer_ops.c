@@ -6,27 +6,17 @@
  * that was ~10 % of the step. Math is float32 throughout; a bfloat16 result is rounded once
  * at the end (the torch reference rounds after every op, so the two differ by a rounding).
  *
- * dtype codes: 0 = float32, 1 = bfloat16 (the upper half of a float32). Rows are split
- * over threads only when there are enough elements to pay for waking them.
+ * dtype codes and bf16 conversions: common.h. Rows are split over threads only when there
+ * are enough elements to pay for waking them.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-#define DT_F32 0
-#define DT_BF16 1
+#include "common.h"
+
 #define PARALLEL_MIN_ELEMS 65536
 #define CHUNK 512 /* elements widened to float32 at a time */
-
-static inline uint16_t to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
 
 /* Widen n elements of a row to float32. */
 static inline void widen(float *dst, const void *src, int64_t off, int n, int dt)
@@ -37,10 +27,8 @@ static inline void widen(float *dst, const void *src, int64_t off, int n, int dt
     }
     const uint16_t *s = (const uint16_t *)src + off;
 #pragma omp simd
-    for (int i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)s[i] << 16;
-        memcpy(&dst[i], &u, sizeof u);
-    }
+    for (int i = 0; i < n; i++)
+        dst[i] = bf16_to_f32(s[i]);
 }
 
 static inline void narrow(void *dst, int64_t off, const float *src, int n, int dt)
@@ -52,7 +40,7 @@ static inline void narrow(void *dst, int64_t off, const float *src, int n, int d
     uint16_t *d = (uint16_t *)dst + off;
 #pragma omp simd
     for (int i = 0; i < n; i++)
-        d[i] = to_bf16(src[i]);
+        d[i] = f32_to_bf16(src[i]);
 }
 
 /* x [T, H] (row stride x_stride) += delta [T, H] (contiguous; NULL: no add), stored back

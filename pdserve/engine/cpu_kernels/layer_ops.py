@@ -1,17 +1,26 @@
-"""The Python side of layer_ops.c: `CpuLayerOps`, the element-wise ops of a decoder layer
-as single C passes, checked against and interchangeable with `pdserve.engine.llama.LayerOps`.
+"""The Python side of layer_ops.c as typed torch ops: `pdserve::add_rms_norm`,
+`pdserve::rope_` and `pdserve::silu_mul`, the C paths of pdserve.engine.layers.norm, .rotary
+and .activation (whose references they are tested against).
 
-Each launcher checks devices, dtypes, shapes and strides before calling, and the RoPE
-kernel checks every position against its tables, so nothing reads or writes outside the
-tensors given.
+Each op's schema comes from its type hints (library.typed_op), so the dispatcher checks
+every argument's type at the call; the op's body then checks devices, dtypes, shapes and
+strides (and the RoPE kernel every position against its tables) before the ctypes call,
+so nothing reaches C that could make it read or write outside the tensors given. Fake
+implementations run the same checks on metadata alone, so torch.compile traces the ops
+without running them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
-from pdserve.engine.llama import LayerOps
+from pdserve.engine.cpu_kernels.library import (
+    DTYPE_CODES,
+    load,
+    register_fake,
+    require,
+    typed_op,
+)
 
 
 def _check(**tensors: torch.Tensor | None) -> int:
@@ -32,10 +41,9 @@ def _check(**tensors: torch.Tensor | None) -> int:
     return DTYPE_CODES[dtype]
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """x += delta in place (unless None), then weight * x / sqrt(mean(x^2) + eps) as a new
-    contiguous tensor. x [T, H] (rows may be strided), delta [T, H] contiguous, weight [H]."""
+def _check_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None,
+                        weight: torch.Tensor) -> int:
+    require(x=x, weight=weight)
     dt = _check(x=x, delta=delta, weight=weight)
     if x.dim() != 2 or weight.shape != (x.shape[1],) or not weight.is_contiguous():
         raise ValueError(f"x must be [T, H] and weight [H], got {tuple(x.shape)} and "
@@ -43,6 +51,16 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if delta is not None and (delta.shape != x.shape or not delta.is_contiguous()):
         raise ValueError(f"delta must be a contiguous {tuple(x.shape)}, got "
                          f"{tuple(delta.shape)}")
+    return dt
+
+
+# x is written only when delta is given; declared mutated always (the schema is static)
+@typed_op("add_rms_norm", mutates_args=("x",))
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """x += delta in place (unless None), then weight * x / sqrt(mean(x^2) + eps) as a new
+    contiguous tensor. x [T, H] (rows may be strided), delta [T, H] contiguous, weight [H]."""
+    dt = _check_add_rms_norm(x, delta, weight)
     t, h = x.shape
     out = torch.empty((t, h), dtype=x.dtype)
     if t:
@@ -52,10 +70,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return out
 
 
-def rope_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-          ) -> torch.Tensor:
-    """Rotate-half RoPE in place on qk [T, heads, D] (heads packed, any row stride) at
-    positions [T] (int64) from tables cos/sin [max_position, D]; returns qk."""
+@register_fake("add_rms_norm")
+def _(x, delta, weight, eps):
+    _check_add_rms_norm(x, delta, weight)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _check_rope(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> int:
+    require(qk=qk, positions=positions, cos=cos, sin=sin)
     dt = _check(qk=qk, cos=cos, sin=sin)
     if qk.dim() != 3 or (qk.shape[1] > 1 and qk.stride(1) != qk.shape[2]):
         raise ValueError(f"qk must be [T, heads, D] with packed heads, got shape "
@@ -71,6 +94,16 @@ def rope_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
             or not positions.is_contiguous()):
         raise ValueError(f"positions must be a contiguous int64 [{t}], got {positions.dtype} "
                          f"{tuple(positions.shape)}")
+    if positions.device.type != "cpu":
+        raise ValueError(f"positions must be a CPU tensor, got {positions.device}")
+    return dt
+
+
+@typed_op("rope_", mutates_args=("qk",))
+def _rope(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> None:
+    dt = _check_rope(qk, positions, cos, sin)
+    t, heads, d = qk.shape
     if t:
         bad = load().lo_rope(qk.data_ptr(), qk.stride(0), positions.data_ptr(), cos.data_ptr(),
                              sin.data_ptr(), cos.shape[0], t, heads, d, dt,
@@ -78,14 +111,33 @@ def rope_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
         if bad >= 0:
             raise ValueError(f"positions[{bad}] = {int(positions[bad])} is outside the RoPE "
                              f"tables' 0..{cos.shape[0] - 1}")
+
+
+@register_fake("rope_")
+def _(qk, positions, cos, sin):
+    _check_rope(qk, positions, cos, sin)
+
+
+def rope_(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+          ) -> torch.Tensor:
+    """Rotate-half RoPE in place on qk [T, heads, D] (heads packed, any row stride) at
+    positions [T] (int64) from tables cos/sin [max_position, D]; returns qk."""
+    _rope(qk, positions, cos, sin)
     return qk
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate_up[:, :I]) * gate_up[:, I:] for gate_up [T, 2I], contiguous."""
+def _check_silu_mul(gate_up: torch.Tensor) -> int:
+    require(gate_up=gate_up)
     dt = _check(gate_up=gate_up)
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
         raise ValueError(f"gate_up must be a contiguous [T, 2I], got {tuple(gate_up.shape)}")
+    return dt
+
+
+@typed_op("silu_mul")
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate_up[:, :I]) * gate_up[:, I:] for gate_up [T, 2I], contiguous."""
+    dt = _check_silu_mul(gate_up)
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((t, i), dtype=gate_up.dtype)
     if t:
@@ -94,22 +146,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class CpuLayerOps(LayerOps):
-    """`LayerOps` through layer_ops.c: one pass over memory per op instead of 4-8."""
-
-    name = "cpu"
-
-    def __init__(self) -> None:
-        load()  # a build failure shows at model load, where the caller falls back
-
-    def add_rms_norm(self, x, delta, weight, eps):
-        return add_rms_norm(x, delta, weight, eps)
-
-    def rope_tables(self, positions, cos, sin):
-        return positions, cos, sin
-
-    def rope(self, qk, tables):
-        return rope_(qk, *tables)
-
-    def silu_mul(self, gate_up):
-        return silu_mul(gate_up)
+@register_fake("silu_mul")
+def _(gate_up):
+    _check_silu_mul(gate_up)
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))

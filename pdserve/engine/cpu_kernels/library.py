@@ -1,13 +1,25 @@
-"""Loading the compiled CPU kernels once per process and declaring their C signatures.
+"""Loading the compiled CPU kernels once per process, declaring their C signatures, and
+registering their Python launchers as typed torch ops.
 
-`load()` builds the library on first use (pdserve.engine.cpu_kernels.build) and keeps it; a build
-or load failure is kept too and raised again on every later call, without retrying.
+`load()` builds the library on first use (pdserve.engine.cpu_kernels.build) and keeps it; a
+build or load failure is kept too and raised again on every later call, without retrying.
+
+`typed_op` makes a launcher the op `pdserve::<name>`: its schema is inferred from the
+launcher's type hints (`torch.library.infer_schema`, as `torch.library.custom_op` does), so
+the dispatcher checks every argument's type at the call and torch.compile sees the op
+(each has a fake implementation beside it). It registers the launcher directly as the op's
+kernel instead of going through `custom_op`: custom_op's Python dispatch costs ~30 us a
+call, measured here (pdserve::add_rms_norm at [4, 576]: 15 us unwrapped, 52 us through
+custom_op, 21 us registered directly) and a CPU decode step makes ~6 such calls per layer.
+The kernel is registered for every device (CompositeExplicitAutograd), so a CUDA tensor
+reaches the launcher's own check and its clear error, not a missing-kernel one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,6 +28,7 @@ from pdserve.engine.cpu_kernels.build import KernelBuildError, build
 # The dtype codes every kernel takes (0 = float32, 1 = bfloat16, the upper half of one).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
+_LIB = torch.library.Library("pdserve", "DEF")  # the ops' namespace, kept for the process
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: KernelBuildError | None = None
@@ -62,3 +75,26 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lo_rope.restype = i64
     lib.lo_silu_mul.argtypes = [p, p, i64, i32, i32, i32]
     lib.lo_silu_mul.restype = None
+
+
+def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:
+    """Decorator: register the typed launcher as `torch.ops.pdserve.<name>` and return that
+    op (an OpOverload: called like the launcher, schema checked first)."""
+    def register(fn: Callable) -> object:
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=tuple(mutates_args)))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return getattr(torch.ops.pdserve, name).default
+    return register
+
+
+def register_fake(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: the fake (metadata-only) implementation of `pdserve::<name>`."""
+    return torch.library.register_fake(f"pdserve::{name}", lib=_LIB)
+
+
+def require(**tensors: torch.Tensor | None) -> None:
+    """ValueError naming the first argument that is None: a `Tensor` in an op's schema
+    accepts None at the call (an undefined tensor), so each op checks its own."""
+    for name, t in tensors.items():
+        if t is None:
+            raise ValueError(f"{name} must be a tensor, got None")

@@ -7,7 +7,7 @@
  *   block_tables [B, max_blocks] int32, row stride bt_stride
  *   seq_lens     [B] int32
  *   out          [B, Hq, D]    contiguous, in the query's dtype
- * dtype codes: 0 = float32, 1 = bfloat16 (the upper half of a float32).
+ * dtype codes and bf16 conversions: common.h.
  *
  * Work item = (sequence, some KV heads): each KV head's G = Hq / Hkv query heads are
  * processed together so every K/V row is read from memory once (the other query heads
@@ -33,30 +33,10 @@
 #include <immintrin.h>
 #endif
 
-#define DT_F32 0
-#define DT_BF16 1
+#include "common.h"
+
 #define TILE 32 /* keys per tile: its rows (<= 32 KiB at D=128) stay in L1 across heads */
 #define PREFETCH_BYTES 16384 /* of the next block's K (and as much V), ahead of use */
-#define INLINE static inline __attribute__((always_inline))
-
-static inline float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it a NaN after truncation */
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
-
 /* Position of element i in split order: per 32 elements, the 16 even ones then the 16 odd. */
 static inline int split_pos(int i)
 {

@@ -1,8 +1,9 @@
-"""The Python side of paged_decode.c: checking inputs, calling the kernel.
+"""The Python side of paged_decode.c: the typed op `pdserve::paged_decode_attention`.
 
-Every argument is checked before the kernel runs (here, or for per-sequence lengths and
-block ids by the library's own `pd_validate` pass, which reads only the int32 tables) so
-that the kernel never reads outside the tensors it is given.
+Every argument is checked before the kernel runs (its types by the op's schema at the
+call, the rest here, and per-sequence lengths and block ids by the library's own
+`pd_validate` pass, which reads only the int32 tables) so that the kernel never reads
+outside the tensors it is given. The fake implementation checks what metadata can tell.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import ctypes
 
 import torch
 
-from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
+from pdserve.engine.cpu_kernels.library import (
+    DTYPE_CODES,
+    load,
+    register_fake,
+    require,
+    typed_op,
+)
 
 MAX_HEAD_DIM = 256
 
@@ -21,6 +28,8 @@ def shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out, num_seqs=
     block_tables have one row per sequence (num_seqs, default: one per query row).
     Conditions first and messages only on failure: this runs for every layer of every
     step."""
+    require(query=query, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens,
+            block_tables=block_tables)
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("seq_lens", seq_lens), ("block_tables", block_tables), ("out", out)):
         if t is not None and t.device.type != "cpu":
@@ -82,28 +91,26 @@ def check_tables(seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: to
                          f"the cache's 0..{num_blocks - 1}")
 
 
-def paged_decode_attention(
+@typed_op("paged_decode_attention", mutates_args=("out",))
+def _paged_decode_attention(
     query: torch.Tensor,  # [B, Hq, D]; heads and dims packed, any batch stride
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,  # [B] int32
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
-    out: torch.Tensor | None = None,  # [B, Hq, D] contiguous, query's dtype
-) -> torch.Tensor:
-    """softmax(scale * q·K[:seq_len]) · V[:seq_len] per sequence and query head; query head
-    h reads KV head h // (Hq // Hkv). Returns `out` (allocated when not given)."""
-    lib = load()
+    out: torch.Tensor,  # [B, Hq, D] contiguous, query's dtype
+) -> None:
+    require(out=out)
     err = shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out)
     if err:
         raise ValueError(err)
     b, hq, d = query.shape
-    block_size, hkv = k_cache.shape[1:3]
-    if out is None:
-        out = torch.empty((b, hq, d), dtype=query.dtype)
     if b == 0:
-        return out
+        return
+    lib = load()
     check_tables(seq_lens, block_tables, k_cache)
+    block_size, hkv = k_cache.shape[1:3]
     rc = lib.pd_decode(query.data_ptr(), query.stride(0), k_cache.data_ptr(),
                        v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                        seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, block_size,
@@ -111,4 +118,29 @@ def paged_decode_attention(
                        torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode kernel could not allocate its scratch memory")
+
+
+@register_fake("paged_decode_attention")
+def _(query, k_cache, v_cache, seq_lens, block_tables, scale, out):
+    require(out=out)
+    err = shape_errors(query, k_cache, v_cache, seq_lens, block_tables, out)
+    if err:
+        raise ValueError(err)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(scale * q·K[:seq_len]) · V[:seq_len] per sequence and query head; query head
+    h reads KV head h // (Hq // Hkv). Returns `out` (allocated when not given). Shapes: the
+    op `pdserve::paged_decode_attention` above."""
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    _paged_decode_attention(query, k_cache, v_cache, seq_lens, block_tables, float(scale), out)
     return out

@@ -9,7 +9,7 @@
  *   query_start  [P+1] int32, chunk p owns query rows query_start[p]..query_start[p+1]-1
  *   seq_lens     [P] int32, context length after the chunk (cached prefix + chunk)
  *   out          [T, Hq, D]   contiguous, in the query's dtype
- * dtype codes: 0 = float32, 1 = bfloat16.
+ * dtype codes and bf16 conversions: common.h.
  *
  * Work item = (chunk, KV head, tile of consecutive query tokens). The tile's rows are its
  * tokens x the G = Hq / Hkv query heads sharing that KV head, so each K/V row fetched from
@@ -33,8 +33,8 @@
 #include <immintrin.h>
 #endif
 
-#define DT_F32 0
-#define DT_BF16 1
+#include "common.h"
+
 #define BK 32   /* keys per tile */
 #define ROWS 64 /* query rows (tokens x grouped heads) per work item, at most */
 #define RB 8    /* the portable path pads rows to a multiple of this */
@@ -70,18 +70,7 @@ static inline void widen_row(float *dst, const void *src, int D, int dt, float m
     }
 }
 
-static inline uint16_t to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 #ifdef __AVX512F__
-#define INLINE static inline __attribute__((always_inline))
 
 /* 2^x for x <= 128: 2^round(x) (vscalefps) times a degree-6 polynomial for 2^f, f in
  * [-0.5, 0.5] (Taylor; relative error ~1e-7). NEG_BIG gives 0. */
@@ -251,7 +240,7 @@ INLINE void item_t(const struct pf_args *a, int p, int h, int tile, float *scr, 
         } else {
             uint16_t *dst = (uint16_t *)a->out + base;
             for (int d = 0; d < D; d++)
-                dst[d] = to_bf16(row[d]);
+                dst[d] = f32_to_bf16(row[d]);
         }
     }
 }
@@ -388,7 +377,7 @@ static void pf_item(const struct pf_args *a, int p, int h, int tile, float *scr)
         } else {
             uint16_t *dst = (uint16_t *)a->out + base;
             for (int d = 0; d < D; d++)
-                dst[d] = to_bf16(o[d] * inv);
+                dst[d] = f32_to_bf16(o[d] * inv);
         }
     }
 }

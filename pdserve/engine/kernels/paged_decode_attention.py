@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels import (
+from pdserve.engine.kernels.common import (
     check_device,
     check_index,
     check_kv_cache,

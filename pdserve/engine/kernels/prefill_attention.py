@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels import (
+from pdserve.engine.kernels.common import (
     block_ids,
     check_device,
     check_index,

@@ -8,12 +8,13 @@ next layer adds to it in place) and writes the normalised row: each byte moves o
 Without a residual (the first layer's input norm, the final norm) the same kernel is a
 plain RMSNorm (constexpr HAS_RESIDUAL).
 
-The arithmetic follows `pdserve.engine.llama.rms_norm` (and transformers' LlamaRMSNorm) rounding
-step by rounding step, so a 16-bit result matches the eager one to the last bit wherever
-the float32 statistics agree: the sum is rounded to the model dtype before the statistics
-are taken, the normalised row is rounded to the model dtype before the weight multiply, and
-that product is rounded again. That reference is the one the tests and gpu_check compare
-against; `add_rms_norm_reference` below is only the add composed with it.
+The arithmetic follows `pdserve.engine.layers.norm.rms_norm` (the one reference, and
+transformers' LlamaRMSNorm) rounding step by rounding step, so a 16-bit result matches
+the eager one to the last bit wherever the float32 statistics agree: the sum is rounded
+to the model dtype before the statistics are taken, the normalised row is rounded to the
+model dtype before the weight multiply, and that product is rounded again. That reference
+is the one the tests and gpu_check compare against; `add_rms_norm_reference` below is only
+the add composed with it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels import CACHE_DTYPES, check_device, check_last_dim_contiguous
+from pdserve.engine.kernels.common import (
+    CACHE_DTYPES,
+    check_device,
+    check_last_dim_contiguous,
+)
+from pdserve.engine.layers.norm import rms_norm
 
 # One program holds a whole row in registers: 8192 fp32 values over 8 warps is 32 per
 # thread, comfortably spill-free. Llama-70B's hidden size; nothing pdserve serves is wider.
@@ -85,10 +91,6 @@ def add_rms_norm_reference(
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rms_norm(residual + x), residual + x) as llama.py computes them; nothing in place."""
-    # Imported here, not at module level: pdserve.engine.kernels stays importable (and its kernels'
-    # interpreter choice untouched) whatever state the model module is in.
-    from pdserve.engine.llama import rms_norm
-
     if residual is None:
         return rms_norm(x, weight, eps), None
     total = residual + x

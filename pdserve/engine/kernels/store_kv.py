@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.kernels import (
+from pdserve.engine.kernels.common import (
     INDEX_DTYPES,
     check_device,
     check_kv_cache,

@@ -1,4 +1,6 @@
-"""The attention-backend interface and its registry.
+"""The attention-backend interface: what every backend does per layer, and the per-step
+batch layout it reads. Backends (pdserve.engine.attention.*) implement it; the registry
+(pdserve.engine.layers.registry) picks one by name.
 
 A forward step runs over one flat, unpadded batch of T tokens from B sequences. The first
 `num_decodes` sequences are decodes (exactly one query token each, tokens [0, num_decodes));
@@ -17,7 +19,6 @@ Shapes:  query [T, num_heads, head_dim]; key/value [T, num_kv_heads, head_dim];
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -74,49 +75,3 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Attention of every query token over its sequence's cached keys; [T, Hq, D]."""
-
-
-_REGISTRY: dict[str, type[AttentionBackend]] = {}
-_cpu_fallback_logged = False
-
-
-def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def available_backends() -> list[str]:
-    _import_builtin()
-    return sorted(_REGISTRY)
-
-
-def get_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
-    """`auto` picks triton on CUDA, cpu on the CPU when its C kernel builds, else torch."""
-    global _cpu_fallback_logged
-    _import_builtin()
-    if name == "auto":
-        kind = torch.device(device).type
-        name = "triton" if kind == "cuda" else "torch"
-        if kind == "cpu":
-            try:
-                return _REGISTRY["cpu"]()
-            except RuntimeError as e:  # no compiler, or the build failed
-                if not _cpu_fallback_logged:
-                    _cpu_fallback_logged = True
-                    logging.getLogger(__name__).warning(
-                        "cpu attention kernel unavailable, using torch: %s", e)
-    if name not in _REGISTRY:
-        raise ValueError(f"attention_backend must be one of {['auto', *sorted(_REGISTRY)]}, "
-                         f"got {name!r}")
-    return _REGISTRY[name]()
-
-
-def _import_builtin() -> None:
-    # Imported lazily so that `pdserve.engine.attention` never pays for triton unless asked.
-    import pdserve.engine.attention.cpu_backend  # noqa: F401
-    import pdserve.engine.attention.torch_backend  # noqa: F401
-
-    try:
-        import pdserve.engine.attention.triton_backend  # noqa: F401
-    except ImportError:
-        pass
