@@ -2,7 +2,9 @@
 
     admitted (gateway queue, by priority)
       ├─ colocated: D.Generate(prompt) ─────────────────────────────▶ token stream from D
-      └─ disaggregated: D.Reserve(prompt) → D.Decode(reservation) opened
+      └─ disaggregated: a place in the prefill backlog (waits while the prefill tier is
+                        busy, holding nothing that expires; prefill_backlog.py)
+                        → D.Reserve(prompt) → D.Decode(reservation) opened
                         → P.Prefill(prompt, dest=D, reservation) ───▶ token stream from D
     → detokenize, apply stop strings → deltas to the client → finished | failed
 
@@ -43,6 +45,7 @@ from pdserve.gateway.channels import WorkerChannels
 from pdserve.gateway.convert import FINISH_REASONS, logprobs_from_proto, sampling_to_proto
 from pdserve.gateway.errors import ErrorKind, GatewayError, from_worker_status
 from pdserve.gateway.output import TextOutput
+from pdserve.gateway.prefill_backlog import PrefillBacklog
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry
 from pdserve.gateway.request import GenerationDelta, GenerationRequest, RequestTiming, Usage
 from pdserve.metrics import TierMetrics, TokenTimer
@@ -83,6 +86,7 @@ class Orchestrator:
         self.rpc_timeout_s = rpc_timeout_s
         self.stream_idle_s = stream_idle_s
         self.inflight: dict[str, int] = {}  # worker_id -> this gateway's requests there
+        self.prefill_backlog = PrefillBacklog()
         self._tasks: set[asyncio.Task] = set()
 
     # -- the public entry -------------------------------------------------------------------
@@ -349,7 +353,16 @@ class Orchestrator:
     async def _disaggregated(self, req: GenerationRequest, decodes: list[Worker],
                              prefills: list[Worker], trace: _Trace
                              ) -> AsyncIterator[decode_pb2.TokenChunk]:
-        d, resv = await self._reserve(req, decodes)  # d counts as in flight from here
+        n = len(req.prompt_token_ids)
+        # reserve only once the prefill tier can start the prompt soon: a request that
+        # waits, waits here, holding nothing that could expire (prefill_backlog.py)
+        await self.prefill_backlog.acquire(n, len(prefills))
+        in_backlog = True
+        try:
+            d, resv = await self._reserve(req, decodes)  # d counts as in flight from here
+        except BaseException:
+            self.prefill_backlog.release(n, drained=False)
+            raise
         call = None
         finished = False
         try:
@@ -357,6 +370,8 @@ class Orchestrator:
                 decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
                 timeout=self._remaining(req))
             trace.prefill = await self._prefill(req, d, resv, prefills)
+            in_backlog = False
+            self.prefill_backlog.release(n)
             async for ch in self._chunks(call, f"decode worker {d.address}"):
                 finished = bool(ch.finish_reason)
                 yield ch
@@ -367,6 +382,8 @@ class Orchestrator:
         except grpc.aio.AioRpcError as e:
             raise self._error(e, f"decode worker {d.address}")[1] from None
         finally:
+            if in_backlog:  # the prefill failed or was cancelled
+                self.prefill_backlog.release(n, drained=False)
             self._leave(d)
             if not finished:
                 if call is not None:
