@@ -135,6 +135,7 @@ class _Child:
     metrics_url: str
     log_path: Path
     cpus: tuple[int, ...] | None
+    env: tuple[tuple[str, str], ...] = ()  # on top of the cluster's environment
     proc: subprocess.Popen | None = None
     healthy: bool = False
     deaths: list[float] = field(default_factory=list)  # monotonic times it was found dead
@@ -392,6 +393,15 @@ class LocalCluster:
         children = [_Child("gateway", "gateway", gateway_argv, grpc_port,
                            f"http://{host}:{http_port}/metrics", self.log_dir / "gateway.log",
                            cpus["gateway"][0])]
+        # A worker whose cores another process also runs on (the unpinned gateway, another
+        # worker) must not spin its OpenMP threads at the end of each parallel region: when
+        # one of them is descheduled, the others spin on and a step takes many times its
+        # compute (measured: docs/benchmarks.md, "Served overhead"). Passive waiting costs
+        # a wake-up per region instead. The user's own setting wins.
+        worker_env: tuple[tuple[str, str], ...] = ()
+        user_set = "OMP_WAIT_POLICY" in {**os.environ, **dict(c.env)}
+        if not self._cores_exclusive(cpus) and not user_set:
+            worker_env = (("OMP_WAIT_POLICY", "PASSIVE"),)
         gateway_addr = f"{host}:{grpc_port}"
         registry_addr = f"{host}:{registry_port}"
         i = 0
@@ -409,11 +419,22 @@ class LocalCluster:
                 if core_set is not None and "--threads" not in argv:
                     argv += ["--threads", str(len(core_set))]
                 children.append(_Child(name, tier, argv, port, f"http://{host}:{mport}/metrics",
-                                       self.log_dir / f"{name}.log", core_set))
+                                       self.log_dir / f"{name}.log", core_set, worker_env))
         self._endpoints = Endpoints(
             http_url=f"http://{host}:{http_port}", grpc_address=gateway_addr, gateway_pid=0,
             workers=(), registry_address=registry_addr)
         return children
+
+    @staticmethod
+    def _cores_exclusive(cpus: dict[str, list[tuple[int, ...] | None]]) -> bool:
+        """True when every process is pinned and no two share a core."""
+        seen: set[int] = set()
+        for sets in cpus.values():
+            for cores in sets:
+                if cores is None or seen & set(cores):
+                    return False
+                seen |= set(cores)
+        return True
 
     # -- life cycle
 
@@ -449,10 +470,12 @@ class LocalCluster:
                 os.sched_setaffinity(0, cores)
 
         with open(ch.log_path, "ab") as log:
-            log.write(f"$ {' '.join(ch.argv)}\n".encode())
+            extra = "".join(f"{k}={v} " for k, v in ch.env)
+            log.write(f"$ {extra}{' '.join(ch.argv)}\n".encode())
             log.flush()
             return subprocess.Popen(ch.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    stderr=subprocess.STDOUT, env={**env, **dict(ch.env)},
+                                    start_new_session=True,
                                     # preexec only makes two syscalls through functions
                                     # resolved before fork: safe with threads in the parent
                                     preexec_fn=preexec, close_fds=True)  # noqa: PLW1509

@@ -354,3 +354,18 @@ def test_real_cluster_serves_a_chat_completion(tiny_model_dir):
     finally:
         cluster.stop()
     assert len(pids) == 3 and all(_gone(p) for p in pids)
+
+
+def test_workers_on_shared_cores_wait_passively(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    shared = LocalCluster(model="m", num_prefill=0, http_port=0, grpc_port=0, cpus="none",
+                          log_dir=str(tmp_path))
+    children = shared._plan()
+    assert [dict(ch.env) for ch in children] == [{}, {"OMP_WAIT_POLICY": "PASSIVE"}]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # every process on its own core: threads may spin
+        own = LocalCluster(model="m", num_prefill=0, http_port=0, grpc_port=0,
+                           cpus=f"gateway={cores[0]},decode={cores[1]}", log_dir=str(tmp_path))
+        assert all(ch.env == () for ch in own._plan())
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
+    assert all(ch.env == () for ch in shared._plan())
