@@ -33,7 +33,7 @@ from pdserve.bench.metrics import tpot_s
 from pdserve.bench.runner import run_benchmark
 from pdserve.bench.workloads import BenchRequest, fixed
 from pdserve.cli_up import usable_cores
-from pdserve.cluster import ClusterConfig, Layout, LocalCluster, choose_layout
+from pdserve.cluster import ClusterConfig, Layout, LocalCluster, assign_cpus, choose_layout
 
 
 @dataclass(frozen=True)
@@ -185,8 +185,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _same_wait_policy(a: argparse.Namespace, argv: list[str]) -> None:
+    """Re-run this process with the OpenMP wait policy the decode worker gets (the runtime
+    reads it once, at load), so the engine side is timed as the worker computes."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    layout = _layout(a)
+    cpus = assign_cpus("auto", layout.num_prefill, layout.num_decode)
+    if not LocalCluster._cores_exclusive(cpus):
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
+    _same_wait_policy(a, argv)
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}", file=sys.stderr)
     rows = run(a)
     for n in a.streams:
         mine = [r for r in rows if r.streams == n]
