@@ -1,6 +1,8 @@
 """`pdserve up`: a whole cluster on this machine (gateway, prefill and decode workers as
-child processes) until Ctrl-C or SIGTERM. A child that exits is restarted with backoff; the
-cluster stops only on a signal or when a child keeps dying. The supervision itself is
+child processes) until Ctrl-C or SIGTERM. Unless --prefill says otherwise, the layout is
+chosen for the cores it may use (`pdserve.cluster.choose_layout`) and printed with its
+reason. A child that exits is restarted with backoff; the cluster stops only on a signal or
+when a child keeps dying. The supervision itself is
 `pdserve.cluster`."""
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ def format_endpoints(e: Endpoints, model: str, log_dir: str, layout: Layout | No
 
 
 def usable_cores(cpus: str) -> int:
-    """The cores the workers will run on: those a --cpus SPEC names, else this process's."""
+    """The cores the cluster will run on: those a --cpus SPEC names, else this process's."""
     if cpus not in ("auto", "none"):
         return len({c for cores in parse_cpu_spec(cpus).values() for c in cores})
     return len(os.sched_getaffinity(0))
