@@ -16,7 +16,6 @@ UNAVAILABLE.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -79,7 +78,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                                 "(expired, cancelled or never made)")
         timer = TokenTimer(self.metrics, time.monotonic())
         try:
-            async for chunk in self._stream(self.aengine.stream(request_id), timer, rid):
+            async for chunk in self._stream(request_id, timer, rid):
                 yield chunk
         except RequestError as e:
             await self._engine_error(context, e)
@@ -99,7 +98,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             self.metrics.error("INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            async for chunk in self._stream(self.aengine.stream(request_id), timer, None):
+            async for chunk in self._stream(request_id, timer, None):
                 yield chunk
         except RequestError as e:
             await self._engine_error(context, e)
@@ -110,48 +109,31 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         self.metrics.error(code.name)
         await context.abort(code, str(e))
 
-    async def _with_keepalive(self, deltas: AsyncIterator[SeqDelta]
-                              ) -> AsyncIterator[SeqDelta | None]:
-        """The deltas, with a None whenever `keepalive_s` passes without one. The pending
-        read is never cancelled by the wait (that would abort the request)."""
-        it = aiter(deltas)
-        nxt: asyncio.Future | None = None
-        try:
-            while True:
-                if nxt is None:
-                    nxt = asyncio.ensure_future(anext(it))
-                done, _ = await asyncio.wait((nxt,), timeout=self.keepalive_s)
-                if not done:
-                    yield None
-                    continue
-                try:
-                    d = nxt.result()
-                except StopAsyncIteration:
-                    return
-                nxt = None
-                yield d
-        finally:
-            if nxt is not None and not nxt.done():
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
-            await deltas.aclose()
-
-    async def _stream(self, deltas: AsyncIterator[SeqDelta], timer: TokenTimer,
-                      reservation_id: str | None) -> AsyncIterator[decode_pb2.TokenChunk]:
-        async for d in self._with_keepalive(deltas):
-            if d is None:
+    async def _stream(self, request_id: str, timer: TokenTimer, reservation_id: str | None
+                      ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """One TokenChunk per batch of deltas: when the engine is ahead of this stream (a
+        burst, a slow reader) every token already produced goes out in one message."""
+        async for batch in self.aengine.stream_batches(request_id, self.keepalive_s):
+            if not batch:
                 yield decode_pb2.TokenChunk()  # keepalive: no tokens, not finished
                 continue
-            timer.arrived(len(d.new_token_ids))
+            last = batch[-1]
+            if len(batch) == 1:
+                ids, lps = last.new_token_ids, last.new_logprobs
+            else:
+                ids = [t for d in batch for t in d.new_token_ids]
+                lps = [lp for d in batch for lp in d.new_logprobs]
+            timer.arrived(len(ids))
             chunk = decode_pb2.TokenChunk(
-                token_ids=d.new_token_ids,
-                logprobs=[logprobs_to_proto(lp) for lp in d.new_logprobs],
-                num_prompt_tokens=d.num_prompt_tokens, num_output_tokens=d.num_output_tokens,
-                num_cached_tokens=d.num_cached_tokens)
-            if d.finished:
-                chunk.finish_reason = finish_to_proto(d.finish_reason or ABORT)
-                chunk.timing.CopyFrom(self._timing(d, timer, reservation_id))
-                self._finished(timer, d.finish_reason or ABORT)
+                token_ids=ids, num_prompt_tokens=last.num_prompt_tokens,
+                num_output_tokens=last.num_output_tokens,
+                num_cached_tokens=last.num_cached_tokens)
+            if lps:
+                chunk.logprobs.extend(logprobs_to_proto(lp) for lp in lps)
+            if last.finished:
+                chunk.finish_reason = finish_to_proto(last.finish_reason or ABORT)
+                chunk.timing.CopyFrom(self._timing(last, timer, reservation_id))
+                self._finished(timer, last.finish_reason or ABORT)
             yield chunk
 
     def _finished(self, timer: TokenTimer, reason: str) -> None:

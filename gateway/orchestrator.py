@@ -2,7 +2,9 @@
 
     admitted (gateway queue, by priority)
       ├─ colocated: D.Generate(prompt) ─────────────────────────────▶ token stream from D
-      └─ disaggregated: D.Reserve(prompt) → D.Decode(reservation) opened
+      └─ disaggregated: a place in the prefill backlog (waits while the prefill tier is
+                        busy, holding nothing that expires; prefill_backlog.py)
+                        → D.Reserve(prompt) → D.Decode(reservation) opened
                         → P.Prefill(prompt, dest=D, reservation) ───▶ token stream from D
            └─ P failed: cancel the reservation, next P with a fresh one; none left: colocated
       └─ D's stream broke: re-admit colocated, prompt + tokens streamed (migration.py), ≤ 3×
@@ -48,6 +50,7 @@ from pdserve.gateway.channels import WorkerChannels
 from pdserve.gateway.convert import logprobs_from_proto
 from pdserve.gateway.errors import ErrorKind, GatewayError, from_worker_status
 from pdserve.gateway.output import TextOutput
+from pdserve.gateway.prefill_backlog import PrefillBacklog
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry
 from pdserve.gateway.request import GenerationDelta, GenerationRequest, RequestTiming, Usage
 from pdserve.metrics import TierMetrics, TokenTimer
@@ -126,6 +129,7 @@ class Orchestrator:
         self.rpc_timeout_s = rpc_timeout_s
         self.stream_idle_s = stream_idle_s
         self.inflight: dict[str, int] = {}  # worker_id -> this gateway's requests there
+        self.prefill_backlog = PrefillBacklog()
         self._tasks: set[asyncio.Task] = set()
 
     # -- the public entry -------------------------------------------------------------------
@@ -440,45 +444,58 @@ class Orchestrator:
         reservation (the failed one's is cancelled: KV may have half arrived); when every
         one failed, the prompt runs colocated. The decode stream's own failures are
         `_migrating`'s. Each try has its own cluster id: what a failed one left at a worker
-        (a late commit, a reservation not yet cancelled) cannot collide with the next."""
+        (a late commit, a reservation not yet cancelled) cannot collide with the next.
+
+        Nothing is reserved before the prefill tier can start the prompt soon: a request
+        that waits, waits in the backlog, holding nothing that could expire
+        (prefill_backlog.py)."""
         first = req
-        for i, p in enumerate(router.rank_prefill(prefills, first.prompt_token_ids,
-                                                  self.inflight)):
-            req = first if i == 0 else dataclasses.replace(
-                first, cluster_id=f"{first.cluster_id}-p{i}")
-            d, resv = await self._reserve(req, decodes)  # d counts as in flight from here
-            trace.decode = d
-            call = None
-            finished = False
-            try:
-                call = self.channels.get(d.address).decode.Decode(
-                    decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
-                    timeout=self._remaining(req))
+        n = len(first.prompt_token_ids)
+        await self.prefill_backlog.acquire(n, len(prefills))
+        in_backlog = True
+        try:
+            for i, p in enumerate(router.rank_prefill(prefills, first.prompt_token_ids,
+                                                      self.inflight)):
+                req = first if i == 0 else dataclasses.replace(
+                    first, cluster_id=f"{first.cluster_id}-p{i}")
+                d, resv = await self._reserve(req, decodes)  # d counts as in flight from here
+                trace.decode = d
+                call = None
+                finished = False
                 try:
-                    trace.prefill = await self._prefill(req, p, d, resv)
+                    call = self.channels.get(d.address).decode.Decode(
+                        decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
+                        timeout=self._remaining(req))
+                    try:
+                        trace.prefill = await self._prefill(req, p, d, resv)
+                    except grpc.aio.AioRpcError as e:
+                        code, err = self._error(e, f"prefill worker {p.address}")
+                        if not migration.prefill_may_fail_over(code):
+                            raise err from None
+                        log.warning("request %s (cluster id %s): %s; failing over",
+                                    req.request_id, req.cluster_id, err.message)
+                        continue  # the finally below cancels the reservation
+                    in_backlog = False
+                    self.prefill_backlog.release(n)
+                    async for ch in self._chunks(call, f"decode worker {d.address}"):
+                        finished = bool(ch.finish_reason)
+                        yield ch
+                        if finished:
+                            return
+                    raise GatewayError(ErrorKind.UNAVAILABLE,
+                                       f"decode worker {d.address} ended the stream unfinished")
                 except grpc.aio.AioRpcError as e:
-                    code, err = self._error(e, f"prefill worker {p.address}")
-                    if not migration.prefill_may_fail_over(code):
-                        raise err from None
-                    log.warning("request %s (cluster id %s): %s; failing over", req.request_id,
-                                req.cluster_id, err.message)
-                    continue  # the finally below cancels the reservation
-                async for ch in self._chunks(call, f"decode worker {d.address}"):
-                    finished = bool(ch.finish_reason)
-                    yield ch
-                    if finished:
-                        return
-                raise GatewayError(ErrorKind.UNAVAILABLE,
-                                   f"decode worker {d.address} ended the stream unfinished")
-            except grpc.aio.AioRpcError as e:
-                raise self._error(e, f"decode worker {d.address}")[1] from None
-            finally:
-                self._leave(d)
-                if not finished:
-                    if call is not None:
-                        call.cancel()
-                    self.channels.cancel(d.address, reservation_id=resv.reservation_id,
-                                         reason="gateway: request ended")
+                    raise self._error(e, f"decode worker {d.address}")[1] from None
+                finally:
+                    self._leave(d)
+                    if not finished:
+                        if call is not None:
+                            call.cancel()
+                        self.channels.cancel(d.address, reservation_id=resv.reservation_id,
+                                             reason="gateway: request ended")
+        finally:
+            if in_backlog:  # no prefill completed: failed, cancelled, or none left
+                self.prefill_backlog.release(n, drained=False)
         trace.prefill = None
         log.warning("request %s (cluster id %s): no prefill worker left; running it colocated",
                     first.request_id, first.cluster_id)

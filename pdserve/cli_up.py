@@ -1,18 +1,31 @@
 """`pdserve up`: a whole cluster on this machine (gateway, prefill and decode workers as
-child processes) until Ctrl-C or SIGTERM. A child that exits is restarted with backoff; the
-cluster stops only on a signal or when a child keeps dying. The supervision itself is
+child processes) until Ctrl-C or SIGTERM. Unless --prefill says otherwise, the layout is
+chosen for the cores it may use (`pdserve.cluster.choose_layout`) and printed with its
+reason. A child that exits is restarted with backoff; the cluster stops only on a signal or
+when a child keeps dying. The supervision itself is
 `pdserve.cluster`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
 import time
 
-from pdserve.cluster import ClusterConfig, ClusterError, Endpoints, HealthStatus, LocalCluster
+from pdserve.cluster import (
+    DISAGG_MIN_CORES,
+    ClusterConfig,
+    ClusterError,
+    Endpoints,
+    HealthStatus,
+    Layout,
+    LocalCluster,
+    choose_layout,
+    parse_cpu_spec,
+)
 from pdserve.engine_args import add_engine_args, engine_argv
 
 __all__ = ["engine_argv", "register"]
@@ -33,8 +46,11 @@ def register(subparsers) -> None:
                     "request), print the endpoints, restart any that exits (with backoff; "
                     "one that keeps dying stops the cluster), and stop them all on Ctrl-C or "
                     "SIGTERM. Engine flags go to every worker.")
-    p.add_argument("--prefill", type=_nonneg_int, default=1, metavar="N",
-                   help="prefill workers (default 1; 0 = no prefill tier)")
+    p.add_argument("--prefill", type=_nonneg_int, default=None, metavar="N",
+                   help="prefill workers (0 = no prefill tier: colocated). Default: chosen "
+                        f"for this machine: 0 below {DISAGG_MIN_CORES} usable cores, where a "
+                        "prefill worker costs decoding more than it saves, else 1; the choice "
+                        "and its reason are printed at start-up")
     p.add_argument("--decode", type=_nonneg_int, default=1, metavar="M",
                    help="decode workers (default 1)")
     p.add_argument("--http-port", type=_nonneg_int, default=8000,
@@ -93,10 +109,13 @@ class _Progress:
             sys.stderr.flush()
 
 
-def format_endpoints(e: Endpoints, model: str, log_dir: str) -> str:
-    lines = [f"pdserve is up (model {model})",
-             f"  OpenAI HTTP  {e.http_url}/v1   metrics {e.metrics_url}   pid {e.gateway_pid}",
-             f"  gRPC         {e.grpc_address}   registry {e.registry_address} (token only)"]
+def format_endpoints(e: Endpoints, model: str, log_dir: str, layout: Layout | None = None
+                     ) -> str:
+    lines = [f"pdserve is up (model {model})"]
+    if layout is not None:
+        lines.append(f"  layout       {layout.describe()}")
+    lines += [f"  OpenAI HTTP  {e.http_url}/v1   metrics {e.metrics_url}   pid {e.gateway_pid}",
+              f"  gRPC         {e.grpc_address}   registry {e.registry_address} (token only)"]
     for w in e.workers:
         cpus = ",".join(map(str, w.cpus)) if w.cpus else "any"
         lines.append(f"  {w.name:<12} {w.address}   metrics {w.metrics_url}   pid {w.pid}   "
@@ -110,10 +129,19 @@ def format_endpoints(e: Endpoints, model: str, log_dir: str) -> str:
     return "\n".join(lines)
 
 
+def usable_cores(cpus: str) -> int:
+    """The cores the cluster will run on: those a --cpus SPEC names, else this process's."""
+    if cpus not in ("auto", "none"):
+        return len({c for cores in parse_cpu_spec(cpus).values() for c in cores})
+    return len(os.sched_getaffinity(0))
+
+
 def _cmd_up(a: argparse.Namespace) -> int:
     try:
+        layout = choose_layout(usable_cores(a.cpus), a.prefill, a.decode)
         cfg = ClusterConfig(
-            model=a.model, num_prefill=a.prefill, num_decode=a.decode, http_port=a.http_port,
+            model=a.model, num_prefill=layout.num_prefill, num_decode=layout.num_decode,
+            http_port=a.http_port,
             grpc_port=a.grpc_port, registry_port=a.registry_port,
             disagg_threshold=a.disagg_threshold,
             engine_args=tuple(engine_argv(a)), cpus=a.cpus, log_dir=a.log_dir)
@@ -122,6 +150,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
         return 2
     cluster = LocalCluster(cfg)
     print(f"pdserve up: logs in {cluster.log_dir}", file=sys.stderr, flush=True)
+    print(f"pdserve up: layout {layout.describe()}", file=sys.stderr, flush=True)
 
     def on_signal(signum, frame) -> None:
         raise KeyboardInterrupt
@@ -136,7 +165,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
         cluster.start()
         endpoints = cluster.wait_healthy(a.startup_timeout, progress)
         progress.done()
-        print(format_endpoints(endpoints, a.model, str(cluster.log_dir)), flush=True)
+        print(format_endpoints(endpoints, a.model, str(cluster.log_dir), layout), flush=True)
         while True:
             time.sleep(1.0)
             cluster.supervise(lambda line: print(f"pdserve up: {line}", file=sys.stderr,

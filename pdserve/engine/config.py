@@ -1,17 +1,54 @@
-"""EngineConfig: every knob of one engine instance, validated in one place."""
+"""EngineConfig: every knob of one engine instance, validated in one place; `dtype="auto"`
+is resolved here, once, to the dtype this machine computes fastest."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from pdserve.engine.kv_cache import dtype_from_name, parse_bytes
 
+log = logging.getLogger("pdserve.engine")
+
+# CPU flags (as /proc/cpuinfo spells them) of native bfloat16 matrix math: AVX512-BF16's dot
+# products, AMX's tiles. Without them bfloat16 is converted in software and loses to float32.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first processor's feature flags; empty where the file is not there (not Linux)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def auto_dtype(device: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(dtype, why) for --dtype auto: bfloat16 on a CPU with native bfloat16 math and on
+    CUDA devices that support it, float16 on other CUDA devices, float32 otherwise."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return "bfloat16", "the GPU supports bfloat16"
+        return "float16", "the GPU lacks bfloat16"
+    if device != "cpu":
+        return "float32", f"device {device!r}"
+    found = sorted(set(BF16_CPU_FLAGS) & (cpu_flags() if flags is None else flags))
+    if found:
+        return "bfloat16", f"this CPU has {', '.join(found)}"
+    return "float32", f"this CPU has none of {', '.join(BF16_CPU_FLAGS)}"
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
-    dtype: str = "float32"  # float32 | bfloat16 (| float16 on GPU)
+    dtype: str = "float32"  # float32 | bfloat16 (| float16 on GPU) | auto (see auto_dtype)
     kv_cache_dtype: str | None = None  # None: the model's dtype
     device: str = "cpu"
     block_size: int = 16
@@ -27,6 +64,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched op by op)
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            dtype, why = auto_dtype(self.device)
+            log.info("dtype auto: %s (%s)", dtype, why)
+            object.__setattr__(self, "dtype", dtype)  # resolved once: the config stays frozen
         dtype_from_name(self.dtype)
         dtype_from_name(self.cache_dtype)
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -1,0 +1,217 @@
+"""What the served path adds per token: the engine's TPOT in-process against the TPOT a
+streaming OpenAI client sees through `pdserve up`, in one run, with their ratio.
+
+One run:
+
+1. start a local cluster in the layout `pdserve up` would pick here (or the one asked);
+2. for each round and each stream count N (interleaved, so both sides see the same load
+   from whatever else shares the machine): the engine in this process, pinned to the decode
+   worker's cores with as many threads, runs N fixed-length requests at once and times each
+   request's tokens step by step; then the same N requests go through the gateway's
+   OpenAI HTTP API, streamed, all at once;
+3. print, per N, the engine's TPOT and pure decode-step time, the served TPOT, and
+   served / engine; for N = 1 also the weight bytes a decode step reads and the achieved
+   GB/s (the bandwidth a batch-1 decode reaches; the machine's bound is the comparison).
+
+TPOT is measured the same way on both sides: (last token - first token) / (tokens - 1)
+per request, the mean over requests. `python -m pdserve.bench.served_overhead --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from pdserve.bench.clients import OpenAIHTTPClient
+from pdserve.bench.metrics import tpot_s
+from pdserve.bench.runner import run_benchmark
+from pdserve.bench.workloads import BenchRequest, fixed
+from pdserve.cli_up import usable_cores
+from pdserve.cluster import ClusterConfig, Layout, LocalCluster, assign_cpus, choose_layout
+
+
+@dataclass(frozen=True)
+class EngineSide:
+    tpot_ms: float  # mean over requests, as a client would count it
+    decode_step_ms: float  # mean of the steps that decoded all N and prefilled nothing
+    weight_bytes: int  # what one decode step streams from memory (linears + lm_head)
+
+
+@dataclass(frozen=True)
+class Row:
+    streams: int
+    round: int
+    engine_tpot_ms: float
+    engine_decode_step_ms: float
+    served_tpot_ms: float
+    served_lost: int
+    weight_gb_per_s: float | None  # batch 1 only
+
+    @property
+    def ratio(self) -> float:
+        return self.served_tpot_ms / self.engine_tpot_ms
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads in full: every layer's linears and the
+    output projection (the embedding is read one row per token, the norms are tiny)."""
+    n = model.lm_head.numel() * model.lm_head.element_size()
+    for lw in model.layers:
+        for t in (lw.qkv, lw.o, lw.gate_up, lw.down):
+            n += t.numel() * t.element_size()
+    return n
+
+
+def engine_side(engine, requests: list[BenchRequest]) -> EngineSide:
+    """Run `requests` at once in `engine`, timing each request's tokens per step."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    times: dict[str, list[float]] = {}
+    for r in requests:
+        rid = f"bench-{time.monotonic_ns()}-{r.request_id}"
+        engine.add_request(rid, r.prompt, SamplingParams(
+            max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True))
+        times[rid] = []
+    engine.trace = []
+    while engine.has_unfinished():
+        deltas = engine.step()
+        now = time.perf_counter()
+        for d in deltas:
+            if d.request_id in times and d.new_token_ids:
+                times[d.request_id].append(now)
+    n = len(requests)
+    decode_steps = [t.total_seconds for t in engine.trace
+                    if len(t.scheduled) == n and all(k == 1 for _, k in t.scheduled)]
+    engine.trace = None
+    tpots = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times.values() if len(ts) > 1]
+    return EngineSide(1e3 * statistics.mean(tpots),
+                      1e3 * statistics.mean(decode_steps) if decode_steps else float("nan"),
+                      weight_bytes(engine.model))
+
+
+async def served_side(base_url: str, model: str, requests: list[BenchRequest]
+                      ) -> tuple[float, int]:
+    """(mean TPOT ms, requests lost) of `requests` sent at once through the gateway."""
+    async with OpenAIHTTPClient(base_url, model, endpoint="completions",
+                                extra_body={"temperature": 0}) as client:
+        result = await run_benchmark(client, requests, label="served", progress=False)
+    ok = [r for r in result.records if r.ok]
+    tpots = [v for v in map(tpot_s, ok) if v is not None]
+    return 1e3 * statistics.mean(tpots), len(result.records) - len(ok)
+
+
+def _layout(a: argparse.Namespace) -> Layout:
+    if a.layout == "colocated":
+        return choose_layout(usable_cores("auto"), 0, 1)
+    if a.layout == "disaggregated":
+        return choose_layout(usable_cores("auto"), 1, 1)
+    return choose_layout(usable_cores("auto"))
+
+
+def run(a: argparse.Namespace) -> list[Row]:
+    import torch
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    layout = _layout(a)
+    engine_args = ("--dtype", a.dtype, "--kv-cache-memory", a.kv_cache_memory)
+    cluster = LocalCluster(ClusterConfig(
+        model=a.model, num_prefill=layout.num_prefill, num_decode=layout.num_decode,
+        http_port=0, grpc_port=0, cpus="auto", engine_args=engine_args))
+    print(f"layout: {layout.describe()}", file=sys.stderr)
+    rows: list[Row] = []
+    own = os.sched_getaffinity(0)
+    try:
+        cluster.start()
+        endpoints = cluster.wait_healthy(timeout=600)
+        decode = next(w for w in endpoints.workers if w.tier == "decode")
+        cores = set(decode.cpus or own)
+        engine = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype,
+                                        kv_cache_memory=a.kv_cache_memory,
+                                        num_threads=len(cores), show_progress=False))
+        print(f"engine in-process: {torch.get_num_threads()} thread(s) on cores "
+              f"{sorted(cores)}; dtype {engine.config.dtype}", file=sys.stderr)
+        for rnd in range(a.rounds):
+            for n in a.streams:
+                reqs = fixed(engine.tokenizer, n, seed=rnd, input_len=a.prompt_tokens,
+                             output_len=a.output_tokens)
+                os.sched_setaffinity(0, cores)
+                try:
+                    eng = engine_side(engine, reqs)
+                finally:
+                    os.sched_setaffinity(0, own)
+                served, lost = asyncio.run(served_side(endpoints.http_url, a.model, reqs))
+                gbs = None
+                if n == 1:
+                    gbs = eng.weight_bytes / (eng.decode_step_ms / 1e3) / 1e9
+                row = Row(n, rnd, eng.tpot_ms, eng.decode_step_ms, served, lost, gbs)
+                rows.append(row)
+                print(_line(row), flush=True)
+    finally:
+        cluster.stop()
+    return rows
+
+
+def _line(r: Row) -> str:
+    gbs = f"   weights {r.weight_gb_per_s:.1f} GB/s" if r.weight_gb_per_s is not None else ""
+    return (f"streams {r.streams:>3} round {r.round}: engine TPOT {r.engine_tpot_ms:7.1f} ms "
+            f"(decode step {r.engine_decode_step_ms:7.1f} ms)   served TPOT "
+            f"{r.served_tpot_ms:7.1f} ms   served/engine {r.ratio:.3f}   lost "
+            f"{r.served_lost}{gbs}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.served_overhead",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--layout", default="auto", choices=["auto", "colocated", "disaggregated"],
+                   help="auto: what `pdserve up` picks on this machine")
+    p.add_argument("--streams", default="1,64",
+                   type=lambda s: [int(x) for x in s.split(",")],
+                   help="stream counts to measure, comma-separated (default 1,64)")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
+    return p
+
+
+def _same_wait_policy(a: argparse.Namespace, argv: list[str]) -> None:
+    """Re-run this process with the OpenMP wait policy the decode worker gets (the runtime
+    reads it once, at load), so the engine side is timed as the worker computes."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    layout = _layout(a)
+    cpus = assign_cpus("auto", layout.num_prefill, layout.num_decode)
+    if not LocalCluster._cores_exclusive(cpus):
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *argv], env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = build_parser().parse_args(argv)
+    _same_wait_policy(a, argv)
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}", file=sys.stderr)
+    rows = run(a)
+    for n in a.streams:
+        mine = [r for r in rows if r.streams == n]
+        print(f"streams {n}: median served/engine TPOT "
+              f"{statistics.median(r.ratio for r in mine):.3f} over {len(mine)} round(s)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([{**asdict(r), "ratio": r.ratio} for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
