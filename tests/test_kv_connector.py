@@ -179,7 +179,8 @@ def test_load_side_on_engine_thread_and_out_of_vocab_over_grpc(tiny_model_dir):
             spec = dec.engine.kv_spec
             transport = GrpcKVTransport(timeout_s=30)
             try:
-                stream = transport.open(dec.address, res.reservation_id, spec)
+                stream = transport.open(dec.address, res.reservation_id, spec,
+                                        res.reservation_secret)
                 blocks = torch.ones(res.num_blocks, *spec.block_shape, dtype=spec.torch_dtype)
                 for layer in range(layers):
                     stream.push_layer(layer, range(res.num_blocks), blocks, blocks.clone())
