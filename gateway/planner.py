@@ -12,6 +12,8 @@ most one `Switch` to order (WorkerControl.SwitchRole). The rules:
              (the gap between 1 and `low` is the hysteresis band: a move never makes the
              source tier the one that needs a worker back), and that has held for
              `sustain_s` without a break (noise around a threshold never sustains);
+  desired    while a move is due, the short tier one worker more and the other one less
+             (never below one; a hint for autoscalers), else the actual counts;
   limits     one switch in flight at a time (until the worker re-registers in its new role
              or `switch_timeout_s` passes), at least `dwell_s` between switches, never the
              last worker of a tier, only workers that registered as switchable — the least
@@ -129,7 +131,7 @@ class Planner:
             return Decision(desired, actual, pressure)
         source = _other(want)
         desired[want] += 1
-        desired[source] -= 1
+        desired[source] = max(1, desired[source] - 1)  # never an empty tier
         if (c.mode is PlannerMode.OFF or self.pending is not None
                 or s.now - self._last_switch < c.dwell_s or actual[source] < 2):
             return Decision(desired, actual, pressure)
