@@ -88,6 +88,9 @@ def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentPa
     g.add_argument("--planner-sustain", type=float, default=_P.sustain_s, metavar="S",
                    help="a tier's pressure must hold this long before a worker moves "
                         f"(default {_P.sustain_s:g})")
+    g.add_argument("--planner-min-prefill", type=int, default=_P.min_prefill, metavar="N",
+                   help="prefill workers the planner always leaves; 0 lets the last one go "
+                        f"(decode workers then prefill colocated; default {_P.min_prefill})")
     g.add_argument("--planner-dwell", type=float, default=_P.dwell_s, metavar="S",
                    help=f"at least S seconds between two switches (default {_P.dwell_s:g})")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -105,7 +108,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         grace_s=a.grace, rpc_timeout_s=a.rpc_timeout, stream_idle_s=a.stream_idle_timeout,
         planner=PlannerConfig(mode=PlannerMode(a.planner), ttft_slo_s=a.ttft_slo,
                               tpot_slo_s=a.tpot_slo, sustain_s=a.planner_sustain,
-                              dwell_s=a.planner_dwell))
+                              dwell_s=a.planner_dwell, min_prefill=a.planner_min_prefill))
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -13,11 +13,12 @@ most one `Switch` to order (WorkerControl.SwitchRole). The rules:
              source tier the one that needs a worker back), and that has held for
              `sustain_s` without a break (noise around a threshold never sustains);
   desired    while a move is due, the short tier one worker more and the other one less
-             (never below one; a hint for autoscalers), else the actual counts;
+             (never below its minimum; a hint for autoscalers), else the actual counts;
   limits     one switch in flight at a time (until the worker re-registers in its new role
-             or `switch_timeout_s` passes), at least `dwell_s` between switches, never the
-             last worker of a tier, only workers that registered as switchable — the least
-             loaded of them.
+             or `switch_timeout_s` passes), at least `dwell_s` between switches, never a
+             tier below its minimum — one worker each by default; `min_prefill=0` lets the
+             last prefill worker go, since decode workers then prefill colocated — and only
+             workers that registered as switchable, the least loaded of them.
 
 Pure bookkeeping: no I/O, time comes in with the signals.
 """
@@ -50,6 +51,8 @@ class PlannerConfig:
     switch_timeout_s: float = 90.0  # a switch not seen done by then is given up on
     interval_s: float = 1.0  # the driver observes this often
     window_s: float = 10.0  # TTFT / TPOT are averaged over this much recent time
+    min_prefill: int = 1  # 0: all may leave (decode workers then prefill colocated)
+    min_decode: int = 1
 
     def __post_init__(self) -> None:
         for name in ("ttft_slo_s", "tpot_slo_s", "queue_high", "kv_high", "interval_s",
@@ -59,9 +62,14 @@ class PlannerConfig:
         if not 0 <= self.low < 1:
             raise ValueError("low must be in [0, 1): the gap below pressure 1 is the "
                              "hysteresis band")
-        for name in ("sustain_s", "dwell_s"):
+        for name in ("sustain_s", "dwell_s", "min_prefill"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.min_decode < 1:
+            raise ValueError("min_decode must be >= 1: nothing is served without decode")
+
+    def minimum(self, role: Role) -> int:
+        return self.min_prefill if role is Role.PREFILL else self.min_decode
 
 
 @dataclass(frozen=True)
@@ -131,9 +139,10 @@ class Planner:
             return Decision(desired, actual, pressure)
         source = _other(want)
         desired[want] += 1
-        desired[source] = max(1, desired[source] - 1)  # never an empty tier
+        desired[source] = max(c.minimum(source), desired[source] - 1)
         if (c.mode is PlannerMode.OFF or self.pending is not None
-                or s.now - self._last_switch < c.dwell_s or actual[source] < 2):
+                or s.now - self._last_switch < c.dwell_s
+                or actual[source] <= c.minimum(source)):
             return Decision(desired, actual, pressure)
         candidates = [w for w in (s.prefill if source is Role.PREFILL else s.decode)
                       if w.switchable and not w.static]

@@ -118,6 +118,17 @@ def test_never_empties_a_tier():
     assert d.actual == {Role.PREFILL: 1, Role.DECODE: 1}
 
 
+def test_min_prefill_zero_lets_the_last_prefill_worker_go():
+    cfg = PlannerConfig(mode=PlannerMode.QUEUE, min_prefill=0, sustain_s=5.0, dwell_s=30.0)
+    cluster = Cluster({"w1": Role.PREFILL, "w2": Role.DECODE})
+    # decode KV full, prefill idle: the only prefill worker moves (colocated prefill after)
+    switches = cluster.run(Planner(cfg), [(0, 0.95)] * 100)
+    assert [(t, w, to) for t, w, to in switches] == [(5, "w1", Role.DECODE)]
+    assert cluster.roles == {"w1": Role.DECODE, "w2": Role.DECODE}
+    with pytest.raises(ValueError, match="min_decode"):
+        PlannerConfig(min_decode=0)
+
+
 def test_only_switchable_workers_move_least_loaded_first():
     planner = Planner(CFG)
     prefill = (_worker("w1", Role.PREFILL, queue=8),)
