@@ -78,7 +78,7 @@ class Signals:
     prefill: tuple[Worker, ...]  # live workers per tier (registry.alive)
     decode: tuple[Worker, ...]
     ttft_s: float | None = None  # mean over the recent window; None: no requests
-    tpot_s: float | None = None
+    tpot_s: float | None = None  # mean gap between streamed tokens over the window
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,8 @@ class Gateway:
     # -- planner --------------------------------------------------------------------------
     async def _planner_loop(self) -> None:
         cfg = self.config.planner
+        # TPOT is read as the mean gap between streamed tokens in the window: the TPOT of
+        # finished requests would show a long output's slowdown only once it ends
         ttft, tpot = WindowedMean(cfg.window_s), WindowedMean(cfg.window_s)
         while True:
             await asyncio.sleep(cfg.interval_s)
@@ -292,7 +294,7 @@ class Gateway:
             signals = Signals(now, tuple(self.registry.alive(Role.PREFILL)),
                               tuple(self.registry.alive(Role.DECODE)),
                               ttft.add(now, *histogram_totals(self.metrics.ttft)),
-                              tpot.add(now, *histogram_totals(self.metrics.tpot)))
+                              tpot.add(now, *histogram_totals(self.metrics.itl)))
             d = self.planner.observe(signals)
             for role in Role:
                 self.planner_metrics.workers(role.value, d.desired[role], d.actual[role])
