@@ -83,5 +83,6 @@ def test_compare_elastic_flags_and_default_selection():
     p = compare.build_parser()
     assert p.parse_args([]).only == ["disagg", "prefix", "offline"]
     a = p.parse_args(["--only", "elastic", "--phase-seconds", "30",
-                      "--elastic-rates", "0.2", "0.5"])
+                      "--elastic-rates", "0.2", "0.5", "--elastic-lengths", "512", "128"])
     assert a.only == ["elastic"] and a.phase_seconds == 30 and a.elastic_rates == [0.2, 0.5]
+    assert a.elastic_lengths == [512, 128]

@@ -164,3 +164,42 @@ def _sample(text: str, name: str, label: str) -> float:
         if line.startswith(name + "{") and label in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name}{{{label}}} not in /metrics")
+
+
+def test_switch_role_needs_the_cluster_token_and_a_known_role(tiny_model_dir):
+    creds = ClusterCredentials(token="role-switch-test-token")
+    c = Cluster(tiny_model_dir, credentials=creds)
+    try:
+        engine = tiny_engine(tiny_model_dir, num_threads=1)
+        w = RoleWorker(WorkerConfig(engine=engine.config, credentials=creds), "decode",
+                       engine=engine)
+        c.lt.run(w.start())
+        c.workers.append(w)
+
+        async def calls() -> list:
+            out = []
+            async with grpc.aio.insecure_channel(w.address) as ch:
+                try:
+                    await gateway_pb2_grpc.WorkerControlStub(ch).SwitchRole(
+                        gateway_pb2.SwitchRoleRequest(role=gateway_pb2.WORKER_ROLE_PREFILL),
+                        timeout=5)
+                except grpc.aio.AioRpcError as e:
+                    out.append(e.code())
+            async with rpc.aio_channel(w.address, creds) as ch:
+                stub = gateway_pb2_grpc.WorkerControlStub(ch)
+                try:
+                    await stub.SwitchRole(gateway_pb2.SwitchRoleRequest(), timeout=5)
+                except grpc.aio.AioRpcError as e:
+                    out.append((e.code(), e.details()))
+                r = await stub.SwitchRole(
+                    gateway_pb2.SwitchRoleRequest(role=gateway_pb2.WORKER_ROLE_DECODE), timeout=5)
+                out.append(r.started)
+            return out
+
+        assert c.lt.run(calls()) == [
+            grpc.StatusCode.UNAUTHENTICATED,
+            (grpc.StatusCode.INVALID_ARGUMENT, "role: must be PREFILL or DECODE"),
+            False]  # already serving decode
+        assert w.role == "decode" and w.switching_to is None
+    finally:
+        c.close()

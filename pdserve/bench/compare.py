@@ -690,6 +690,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=(e.prompt_rate, e.output_rate),
                    help="elastic: req/s of the long-prompt and the long-output phase "
                         f"(default {e.prompt_rate:g} {e.output_rate:g})")
+    p.add_argument("--elastic-lengths", type=int, nargs=2, metavar=("PROMPT", "OUTPUT"),
+                   default=(e.prompt_len, e.output_len),
+                   help="elastic: prompt tokens of the long-prompt phase and output tokens "
+                        f"of the long-output phase (default {e.prompt_len} {e.output_len})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
@@ -714,13 +718,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pdserve.bench.compare: --conditional-threshold must be >= 0", file=sys.stderr)
         return 2
     s = dataclasses.replace(s, conditional_threshold=a.conditional_threshold)
-    if not (a.phase_seconds > 0 and all(r > 0 and math.isfinite(r) for r in a.elastic_rates)):
-        print("pdserve.bench.compare: --phase-seconds and --elastic-rates must be > 0",
-              file=sys.stderr)
+    if not (a.phase_seconds > 0 and all(r > 0 and math.isfinite(r) for r in a.elastic_rates)
+            and min(a.elastic_lengths) >= 1):
+        print("pdserve.bench.compare: --phase-seconds, --elastic-rates and --elastic-lengths "
+              "must be > 0", file=sys.stderr)
         return 2
     s = dataclasses.replace(s, elastic=dataclasses.replace(
         s.elastic, phase_s=a.phase_seconds, prompt_rate=a.elastic_rates[0],
-        output_rate=a.elastic_rates[1]))
+        output_rate=a.elastic_rates[1], prompt_len=a.elastic_lengths[0],
+        output_len=a.elastic_lengths[1]))
     out_dir = a.out_dir or Path("docs/bench/quick" if a.quick else "docs/bench")
     run(s, a.only, out_dir)
     return 0
