@@ -295,11 +295,14 @@ class Gateway:
                               tuple(self.registry.alive(Role.DECODE)),
                               ttft.add(now, *histogram_totals(self.metrics.ttft)),
                               tpot.add(now, *histogram_totals(self.metrics.itl)))
-            d = self.planner.observe(signals)
-            for role in Role:
-                self.planner_metrics.workers(role.value, d.desired[role], d.actual[role])
-            if d.switch is not None:
-                await self._order_switch(d.switch)
+            try:
+                d = self.planner.observe(signals)
+                for role in Role:
+                    self.planner_metrics.workers(role.value, d.desired[role], d.actual[role])
+                if d.switch is not None:
+                    await self._order_switch(d.switch)
+            except Exception:  # a bug must not end planning for the gateway's life
+                log.exception("planner: tick failed")
 
     async def _order_switch(self, sw: Switch) -> None:
         log.info("planner: switching worker %s at %s to %s: %s", sw.worker_id, sw.address,

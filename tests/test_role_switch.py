@@ -146,7 +146,14 @@ def test_planner_moves_one_decode_worker_to_prefill(tiny_model_dir):
         assert results == ["ok"] * 4
         assert d1.num_switches + d2.num_switches == 1
         assert len(c.gateway.registry.alive(Role.DECODE)) == 1
-        text = urllib.request.urlopen(c.gateway.http_url + "/metrics", timeout=5).read().decode()
+        def metrics() -> str:
+            with urllib.request.urlopen(c.gateway.http_url + "/metrics", timeout=5) as r:
+                return r.read().decode()
+
+        # the gauges follow the registry at the planner's next tick (0.2 s)
+        c.wait_for(lambda: _sample(metrics(), "pdserve:planner_actual_workers",
+                                   'role="prefill"') == 2)
+        text = metrics()
         assert _sample(text, "pdserve:planner_role_switches_total", 'to_role="prefill"') == 1
         assert _sample(text, "pdserve:planner_role_switches_total", 'to_role="decode"') == 0
         assert _sample(text, "pdserve:planner_actual_workers", 'role="prefill"') == 2
