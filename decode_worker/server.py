@@ -2,7 +2,10 @@
 KVTransfer gRPC services on one port, /metrics, and registration with the gateway
 (life cycle in `pdserve.worker_runtime.WorkerBase`). With `kv_transport` other than
 "grpc" it also owns the pool of shared-memory segments it offers same-host prefill workers
-at Reserve (`pdserve.kvtransfer.shm`), created with the services and unlinked at stop."""
+at Reserve (`pdserve.kvtransfer.shm`), created with the services and unlinked at stop.
+
+`DecodeTier` is the tier's part of a worker — reservation table, servicers, load — so that
+a worker able to switch role (`pdserve.role_worker`) hosts it beside the prefill tier's."""
 
 from __future__ import annotations
 
@@ -19,43 +22,36 @@ from pdserve.protos.pdserve.v1 import (
 )
 from pdserve.worker_runtime import WorkerBase, WorkerConfig
 
+ROLE = "decode"
+ROLE_PROTO = gateway_pb2.WORKER_ROLE_DECODE
+SERVICE_NAMES = (decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name,
+                 kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
+# the calls that start new decode work (a reservation, a colocated request): a worker leaving
+# the tier refuses them; Decode on a reservation already made, Cancel and KV pushes go on
+NEW_WORK_METHODS = frozenset({f"/{SERVICE_NAMES[0]}/Reserve", f"/{SERVICE_NAMES[0]}/Generate"})
 
-class DecodeWorker(WorkerBase):
-    role = "decode"
-    role_proto = gateway_pb2.WORKER_ROLE_DECODE
-    service_names = (decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name,
-                     kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
 
-    def __init__(self, config: WorkerConfig, engine=None, kv_transport: str = "auto",
+class DecodeTier:
+    """The reservation table, DecodeWorker and KVTransfer servicers on `worker`'s server."""
+
+    def __init__(self, worker: WorkerBase, server, kv_transport: str = "auto",
                  kv_shm_bytes: int = DEFAULT_POOL_BYTES) -> None:
         """kv_transport: "grpc" offers no shared memory; "shm" and "auto" offer it when
         this host has an id. kv_shm_bytes bounds the segments held at once."""
-        super().__init__(config, engine)
-        self.kv_transport = kv_transport
-        self.kv_shm_bytes = kv_shm_bytes
-        self.shm: ShmSegmentPool | None = None
-
-    def add_services(self, server) -> None:
-        host = host_id() if self.kv_transport != "grpc" else None
-        if host is not None:
-            self.shm = ShmSegmentPool(host, self.kv_shm_bytes)
-        shm = self.shm
+        self.aengine = worker.aengine
+        self.metrics = worker.metrics
+        host = host_id() if kv_transport != "grpc" else None
+        shm = self.shm = ShmSegmentPool(host, kv_shm_bytes) if host is not None else None
         self.table = ReservationTable(
-            self.aengine, self.config.reservation_timeout_s,
-            on_expired=lambda _: self.metrics.reservations_expired.inc(),
+            worker.aengine, worker.config.reservation_timeout_s,
+            on_expired=lambda _: worker.metrics.reservations_expired.inc(),
             on_released=lambda rid: shm.finish(rid, clean=False) if shm else None)
         self.table.start()
-        self.service = DecodeService(self.aengine, self.table, self.metrics, self.stats, shm,
-                                     keepalive_s=self.config.stream_keepalive_s)
+        self.service = DecodeService(worker.aengine, self.table, worker.metrics, worker.stats,
+                                     shm, keepalive_s=worker.config.stream_keepalive_s)
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, server)
-        self.kv_receiver = KVTransferService(self.table, shm)
+        self.kv_receiver = KVTransferService(self.table)
         self.kv_receiver.add_to_server(server)
-
-    async def stop_tier(self) -> None:
-        if hasattr(self, "table"):
-            await self.table.stop()
-        if self.shm is not None:
-            self.shm.close()
 
     def load(self) -> common_pb2.WorkerLoad:
         # reservations waiting for their KV count as queued work
@@ -66,8 +62,40 @@ class DecodeWorker(WorkerBase):
             queue_depth=s.waiting + s.reserved)
 
     def refresh_metrics(self) -> None:
-        super().refresh_metrics()
         self.metrics.set_counter_to(self.metrics.kv_transfer_failures,
                                     self.kv_receiver.num_rejected)
         self.metrics.set_counter_to(self.metrics.kv_received_bytes,
                                     self.kv_receiver.bytes_received)
+
+    async def close(self) -> None:
+        await self.table.stop()
+        if self.shm is not None:
+            self.shm.close()
+
+
+class DecodeWorker(WorkerBase):
+    role = ROLE
+    role_proto = ROLE_PROTO
+    service_names = SERVICE_NAMES
+
+    def __init__(self, config: WorkerConfig, engine=None, kv_transport: str = "auto",
+                 kv_shm_bytes: int = DEFAULT_POOL_BYTES) -> None:
+        super().__init__(config, engine)
+        self.kv_transport = kv_transport
+        self.kv_shm_bytes = kv_shm_bytes
+
+    def add_services(self, server) -> None:
+        self.tier = DecodeTier(self, server, self.kv_transport, self.kv_shm_bytes)
+        self.table, self.service = self.tier.table, self.tier.service
+        self.kv_receiver, self.shm = self.tier.kv_receiver, self.tier.shm
+
+    async def stop_tier(self) -> None:
+        if hasattr(self, "tier"):
+            await self.tier.close()
+
+    def load(self) -> common_pb2.WorkerLoad:
+        return self.tier.load()
+
+    def refresh_metrics(self) -> None:
+        super().refresh_metrics()
+        self.tier.refresh_metrics()

@@ -16,9 +16,11 @@ import sys
 
 from pdserve.cluster_auth import add_credential_args, credentials_from_args
 from pdserve.engine.model_files import hide_torch, resolve_model
+from pdserve.gateway.planner import PlannerConfig, PlannerMode
 from pdserve.gateway.server import Gateway, GatewayConfig
 
 _D = GatewayConfig(model="")
+_P = PlannerConfig()
 
 
 DESCRIPTION = ("The pdserve gateway: the gRPC Gateway API and an OpenAI-compatible HTTP API in "
@@ -77,6 +79,24 @@ def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentPa
                    help="a worker's token stream that shows nothing (no token, no keepalive) "
                         f"for S seconds fails with 503 / UNAVAILABLE (default "
                         f"{_D.stream_idle_s:g})")
+    g = p.add_argument_group("planner (moves switchable workers between the tiers)")
+    g.add_argument("--planner", choices=[m.value for m in PlannerMode], default=_P.mode.value,
+                   help="off: never move a worker; queue: follow prefill queue depth and "
+                        "decode KV usage; slo: also TTFT vs --ttft-slo and TPOT vs "
+                        "--tpot-slo (default off). Only workers started with "
+                        "`python -m pdserve.role_worker` are moved")
+    g.add_argument("--ttft-slo", type=float, default=_P.ttft_slo_s, metavar="S",
+                   help=f"time-to-first-token objective, seconds (default {_P.ttft_slo_s:g})")
+    g.add_argument("--tpot-slo", type=float, default=_P.tpot_slo_s, metavar="S",
+                   help=f"time-per-output-token objective, seconds (default {_P.tpot_slo_s:g})")
+    g.add_argument("--planner-sustain", type=float, default=_P.sustain_s, metavar="S",
+                   help="a tier's pressure must hold this long before a worker moves "
+                        f"(default {_P.sustain_s:g})")
+    g.add_argument("--planner-min-prefill", type=int, default=_P.min_prefill, metavar="N",
+                   help="prefill workers the planner always leaves; 0 lets the last one go "
+                        f"(decode workers then prefill colocated; default {_P.min_prefill})")
+    g.add_argument("--planner-dwell", type=float, default=_P.dwell_s, metavar="S",
+                   help=f"at least S seconds between two switches (default {_P.dwell_s:g})")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     return p
 
@@ -90,7 +110,10 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         max_queue=a.max_queue, max_inflight=a.max_inflight,
         heartbeat_timeout_s=a.heartbeat_timeout, default_max_tokens=a.default_max_tokens,
         max_body_bytes=a.max_body_bytes, grace_s=a.grace, rpc_timeout_s=a.rpc_timeout,
-        stream_idle_s=a.stream_idle_timeout)
+        stream_idle_s=a.stream_idle_timeout,
+        planner=PlannerConfig(mode=PlannerMode(a.planner), ttft_slo_s=a.ttft_slo,
+                              tpot_slo_s=a.tpot_slo, sustain_s=a.planner_sustain,
+                              dwell_s=a.planner_dwell, min_prefill=a.planner_min_prefill))
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -52,6 +52,7 @@ class Worker:
     load: Load
     last_seen: float  # clock() of the last registration, heartbeat or Stats answer
     static: bool = False
+    switchable: bool = False  # serves WorkerControl.SwitchRole: the planner may move it
 
     @property
     def block_size(self) -> int | None:
@@ -78,7 +79,7 @@ class WorkerRegistry:
 
     # -- registered workers -----------------------------------------------------------------
     def register(self, worker_id: str, role: Role, address: str, model: str,
-                 kv_spec: KVCacheSpec | None, load: Load) -> Worker:
+                 kv_spec: KVCacheSpec | None, load: Load, switchable: bool = False) -> Worker:
         if not worker_id:
             raise ValueError("worker_id must not be empty")
         if not address:
@@ -87,7 +88,8 @@ class WorkerRegistry:
         if old is not None and (old.static or old.address != address):
             raise WorkerIdTaken(f"worker_id {worker_id!r} is registered at {old.address}; "
                                 "it can move once that worker deregisters or expires")
-        w = Worker(worker_id, role, address, model, kv_spec, load, self.clock())
+        w = Worker(worker_id, role, address, model, kv_spec, load, self.clock(),
+                   switchable=switchable)
         self._workers[worker_id] = w
         return w
 

@@ -55,7 +55,8 @@ class RegistryServicer(gateway_pb2_grpc.WorkerRegistryServicer):
                                 "gateway's")
         try:
             self.registry.register(w.worker_id, role, w.address, w.model,
-                                   kv_spec_from_proto(w.kv_spec), load_from_proto(w.load))
+                                   kv_spec_from_proto(w.kv_spec), load_from_proto(w.load),
+                                   switchable=w.switchable)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker.{e}")
         except WorkerIdTaken as e:

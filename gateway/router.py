@@ -1,14 +1,19 @@
 """Routing: which decode worker holds a request's KV and which prefill worker computes it.
 
-Decode: among the workers whose free KV blocks fit the prompt, the one with the fewest
-sequences (running + waiting, or the requests this gateway has in flight there when that is
-more — heartbeats lag a second behind bursts); ties go to more free blocks. When none has
-room, the one with the most free blocks (its Reserve decides).
+Both tiers are ranked by a cost in KV blocks, as Dynamo's KV router does, from the load
+workers publish in heartbeats:
 
-Prefill: the lowest estimated cost, counted in prompt blocks to compute: the prompt's
-blocks not in the worker's prefix cache (its leading block hashes that the worker reports
-in `cached_block_hashes`) plus, for every request queued or running there, a prompt of
-this size. So a warm cache wins while queues are even, and a long queue outweighs it.
+Decode: cost = KV blocks in use + the blocks this request needs (its prompt's), plus the
+prompt's blocks again for every request this gateway sent there that the last heartbeat
+does not show yet (heartbeats lag a second behind bursts). Among the workers whose free
+blocks fit the prompt, the cheapest; ties go to more free blocks. When none has room, the
+one with the most free blocks (its Reserve decides).
+
+Prefill: cost = the prompt's blocks not in the worker's prefix cache (its leading block
+hashes that the worker reports in `cached_block_hashes`) + the blocks queued there: workers
+publish how many prompts they hold (queued or computing), not their tokens, so each is
+priced at this prompt's size. So a warm cache wins while queues are even, and a long queue
+outweighs it.
 
 Conditional disaggregation: prompts shorter than `disagg_threshold` tokens (and every
 prompt when no prefill worker is up) are served colocated by the decode worker.
@@ -30,8 +35,12 @@ def _blocks_for(num_tokens: int, block_size: int | None) -> int:
     return cdiv(num_tokens, bs)
 
 
-def decode_load(w: Worker, inflight: Mapping[str, int]) -> int:
-    return max(w.load.num_running + w.load.num_waiting, inflight.get(w.worker_id, 0))
+def decode_cost(w: Worker, num_prompt_tokens: int, inflight: Mapping[str, int]) -> int:
+    """KV blocks in use + blocks needed, counting requests sent since the last heartbeat."""
+    need = _blocks_for(num_prompt_tokens, w.block_size)
+    in_use = max(0, w.load.total_blocks - w.load.free_blocks)
+    unreported = max(0, inflight.get(w.worker_id, 0) - w.load.num_running - w.load.num_waiting)
+    return in_use + need + unreported * need
 
 
 def rank_decode(workers: Sequence[Worker], num_prompt_tokens: int,
@@ -39,7 +48,7 @@ def rank_decode(workers: Sequence[Worker], num_prompt_tokens: int,
     """Decode workers best first (the caller tries them in order)."""
     def key(w: Worker) -> tuple[int, int, int, str]:
         fits = w.load.free_blocks >= _blocks_for(num_prompt_tokens, w.block_size)
-        return (0 if fits else 1, decode_load(w, inflight) if fits else 0,
+        return (0 if fits else 1, decode_cost(w, num_prompt_tokens, inflight) if fits else 0,
                 -w.load.free_blocks, w.worker_id)
     return sorted(workers, key=key)
 
@@ -56,13 +65,15 @@ def prefix_overlap(prompt_hashes: Sequence[int], cached: frozenset[int]) -> int:
 
 def prefill_cost(w: Worker, prompt_token_ids: Sequence[int], inflight: Mapping[str, int],
                  hashes_by_block_size: dict[int, list[int]] | None = None) -> int:
+    """Uncached prompt blocks + queued prompts' blocks (each priced at this prompt's)."""
     bs = w.block_size or 16
     nblocks = _blocks_for(len(prompt_token_ids), bs)
     cache = hashes_by_block_size if hashes_by_block_size is not None else {}
     if bs not in cache:
         cache[bs] = block_hashes(prompt_token_ids, bs)
     overlap = prefix_overlap(cache[bs], w.load.cached_block_hashes)
-    queued = max(w.load.queue_depth + w.load.num_running + w.load.num_waiting,
+    # queue_depth counts the prompts a prefill worker holds, those in its engine included
+    queued = max(w.load.queue_depth, w.load.num_running + w.load.num_waiting,
                  inflight.get(w.worker_id, 0))
     return (nblocks - overlap) + queued * nblocks
 

@@ -1,7 +1,9 @@
 """The gateway process: one asyncio loop serving the public gRPC port (Gateway, health,
 reflection), the OpenAI HTTP API and the internal registry listener (WorkerRegistry and
-health, cluster credential required), plus two housekeeping tasks — expiring silent
-workers and polling the Stats of static ones.
+health, cluster credential required), plus housekeeping tasks — expiring silent workers,
+polling the Stats of static ones and, with a planner mode set, the planner's driver: every
+interval it feeds `planner.Planner` the registry's loads and this gateway's recent
+TTFT/TPOT, orders the switch it decides (WorkerControl.SwitchRole), logs and counts it.
 
 Life cycle: `start()` binds the ports with health NOT_SERVING, loads the tokenizer and
 config (never weights) and fingerprints the model, then serves; health (gRPC and HTTP
@@ -18,6 +20,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -34,12 +37,20 @@ from pdserve.gateway.convert import kv_spec_from_proto, load_from_proto
 from pdserve.gateway.grpc_api import GatewayServicer
 from pdserve.gateway.http_api import MAX_BODY_BYTES, OpenAIServer
 from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.planner import (
+    Planner,
+    PlannerConfig,
+    PlannerMode,
+    Signals,
+    Switch,
+    WindowedMean,
+)
 from pdserve.gateway.prompts import PromptProcessor
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry, addresses
 from pdserve.gateway.registry_api import RegistryServicer
 from pdserve.gateway.wire_check import MalformedRequests
 from pdserve.grpc_health import GrpcHealth
-from pdserve.metrics import TierMetrics
+from pdserve.metrics import PlannerMetrics, TierMetrics, histogram_totals
 from pdserve.protocol import DEFAULT_MAX_TOKENS
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -71,6 +82,7 @@ class GatewayConfig:
     credentials: ClusterCredentials = ClusterCredentials()
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S  # every unary call to a worker
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a token stream silent this long: UNAVAILABLE
+    planner: PlannerConfig = PlannerConfig()  # mode OFF: no planner task
 
     def __post_init__(self) -> None:
         for name in ("disagg_threshold", "max_queue"):
@@ -120,6 +132,8 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task] = []
         self.registry.on_remove.append(self._on_worker_removed)
+        self.planner = Planner(config.planner)
+        self.planner_metrics = PlannerMetrics(self.metrics)
 
     @property
     def grpc_address(self) -> str:
@@ -201,6 +215,8 @@ class Gateway:
         self._tasks = [asyncio.create_task(self._sweep_loop()),
                        asyncio.create_task(self._poll_loop()),
                        asyncio.create_task(self._readiness_loop())]
+        if cfg.planner.mode is not PlannerMode.OFF:
+            self._tasks.append(asyncio.create_task(self._planner_loop()))
         await self._update_health()
         log.info("gateway %s serving %s: gRPC %s, HTTP %s, registry %s (%s; pid %d)",
                  self.gateway_id, cfg.model, self.grpc_address, self.http_url,
@@ -277,6 +293,44 @@ class Gateway:
             return
         self.registry.observe(w.worker_id, s.model, kv_spec_from_proto(s.kv_spec),
                               load_from_proto(s.load))
+
+    # -- planner --------------------------------------------------------------------------
+    async def _planner_loop(self) -> None:
+        cfg = self.config.planner
+        # TPOT is read as the mean gap between streamed tokens in the window: the TPOT of
+        # finished requests would show a long output's slowdown only once it ends
+        ttft, tpot = WindowedMean(cfg.window_s), WindowedMean(cfg.window_s)
+        while True:
+            await asyncio.sleep(cfg.interval_s)
+            now = time.monotonic()
+            signals = Signals(now, tuple(self.registry.alive(Role.PREFILL)),
+                              tuple(self.registry.alive(Role.DECODE)),
+                              ttft.add(now, *histogram_totals(self.metrics.ttft)),
+                              tpot.add(now, *histogram_totals(self.metrics.itl)))
+            try:
+                d = self.planner.observe(signals)
+                for role in Role:
+                    self.planner_metrics.workers(role.value, d.desired[role], d.actual[role])
+                if d.switch is not None:
+                    await self._order_switch(d.switch)
+            except Exception:  # a bug must not end planning for the gateway's life
+                log.exception("planner: tick failed")
+
+    async def _order_switch(self, sw: Switch) -> None:
+        log.info("planner: switching worker %s at %s to %s: %s", sw.worker_id, sw.address,
+                 sw.to.value, sw.reason)
+        stub = gateway_pb2_grpc.WorkerControlStub(self.channels.get(sw.address).channel)
+        role = (gateway_pb2.WORKER_ROLE_PREFILL if sw.to is Role.PREFILL
+                else gateway_pb2.WORKER_ROLE_DECODE)
+        try:
+            await stub.SwitchRole(gateway_pb2.SwitchRoleRequest(role=role),
+                                  timeout=self.config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.warning("planner: worker %s refused the switch to %s: %s %s", sw.worker_id,
+                        sw.to.value, e.code().name, e.details())
+            self.planner.abandon()
+            return
+        self.planner_metrics.switched(sw.to.value)
 
     def _on_worker_removed(self, w: Worker) -> None:
         in_use = any(x.address == w.address for x in self.registry.all())

@@ -132,3 +132,33 @@ class TokenTimer:
     def observe_tpot(self) -> None:
         if self.count > 1:
             self.m.tpot.observe((self.last - self.first) / (self.count - 1))
+
+
+class PlannerMetrics:
+    """The gateway planner's decisions, on a TierMetrics' registry with its labels:
+    `pdserve:planner_role_switches_total{to_role}`, and desired vs actual workers per tier
+    (`pdserve:planner_desired_workers{role}`, `pdserve:planner_actual_workers{role}`)."""
+
+    def __init__(self, metrics: TierMetrics) -> None:
+        r, lb, self.labels = metrics.registry, LABELS, metrics.labels
+        self.switches = Counter("pdserve:planner_role_switches",
+                                "Role switches the planner ordered, by the role moved to.",
+                                (*lb, "to_role"), registry=r)
+        self.desired = Gauge("pdserve:planner_desired_workers",
+                             "Workers the planner wants in a tier.", (*lb, "role"), registry=r)
+        self.actual = Gauge("pdserve:planner_actual_workers",
+                            "Live workers registered in a tier.", (*lb, "role"), registry=r)
+        for role in ("prefill", "decode"):  # exposed at 0 before the first switch
+            self.switches.labels(**self.labels, to_role=role)
+
+    def switched(self, to_role: str) -> None:
+        self.switches.labels(**self.labels, to_role=to_role).inc()
+
+    def workers(self, role: str, desired: int, actual: int) -> None:
+        self.desired.labels(**self.labels, role=role).set(desired)
+        self.actual.labels(**self.labels, role=role).set(actual)
+
+
+def histogram_totals(h) -> tuple[float, float]:
+    """(count, sum) of one labelled histogram: what a windowed mean is computed from."""
+    return sum(b.get() for b in h._buckets), h._sum.get()

@@ -107,16 +107,20 @@ def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
 class _LateServices(grpc.GenericRpcHandler):
     """Servicers added after the server started (the model loads while health already
     answers). Installed before start as one generic handler; calls to a service that is
-    not there yet get UNIMPLEMENTED."""
+    not there yet get UNIMPLEMENTED. `refuse(method)` may name a reason to turn a call
+    away with UNAVAILABLE (a worker leaving a tier refuses that tier's new work), which the
+    gateway's retry policy passes on to the next worker."""
 
     def __init__(self) -> None:
         self._handlers: list[grpc.GenericRpcHandler] = []
+        self.refuse: Callable[[str], str | None] = lambda method: None
 
     def service(self, handler_call_details):
         for h in self._handlers:
             handler = h.service(handler_call_details)
             if handler is not None:
-                return handler
+                reason = self.refuse(handler_call_details.method)
+                return handler if reason is None else _refusing(handler, reason)
         return None
 
     # what the generated add_*Servicer_to_server functions call on a "server"
@@ -125,6 +129,24 @@ class _LateServices(grpc.GenericRpcHandler):
 
     def add_registered_method_handlers(self, service_name, method_handlers) -> None:
         pass  # the generic handler above already routes these methods
+
+
+def _refusing(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s shape that answers UNAVAILABLE with `reason`."""
+    async def unary(_request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+
+    async def stream(_request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        yield  # never reached: makes this an async generator, as streaming handlers are
+
+    kw = {"request_deserializer": handler.request_deserializer,
+          "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(stream, **kw)
+    raise ValueError("only unary-request methods can be refused")
 
 
 class GrpcService:
@@ -191,9 +213,12 @@ class GatewayRegistration:
     def __init__(self, gateway: str, info: Callable[[], gateway_pb2.WorkerInfo],
                  load: Callable[[], common_pb2.WorkerLoad], interval_s: float,
                  credentials: ClusterCredentials = ClusterCredentials(),
-                 serving: Callable[[], bool] = lambda: True) -> None:
+                 serving: Callable[[], bool] = lambda: True,
+                 role: Callable[[], int] = lambda: 0) -> None:
         self.gateway = gateway
         self.serving = serving  # False: deregister and stay away until it is True again
+        self.role = role  # a change (a role switch) registers again under the new role
+        self._wake = asyncio.Event()
         self.info = info
         self.load = load
         self.interval_s = interval_s
@@ -206,8 +231,20 @@ class GatewayRegistration:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
+    def poke(self) -> None:
+        """Act on a change of `serving` or `role` now rather than at the next heartbeat."""
+        self._wake.set()
+
+    async def _sleep(self) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), self.interval_s)
+        except asyncio.TimeoutError:  # TimeoutError itself only from 3.11
+            pass
+        self._wake.clear()
+
     async def _run(self) -> None:
         known = False
+        registered_role = None
         while True:
             try:
                 if not self.serving():
@@ -216,7 +253,8 @@ class GatewayRegistration:
                             worker_id=self.info().worker_id), timeout=5)
                         log.warning("not serving: deregistered from gateway %s", self.gateway)
                     known = False
-                elif not known:
+                elif not known or self.role() != registered_role:
+                    registered_role = self.role()
                     resp = await self._stub.RegisterWorker(
                         gateway_pb2.RegisterWorkerRequest(worker=self.info()), timeout=5)
                     if resp.heartbeat_interval_s > 0:
@@ -238,7 +276,7 @@ class GatewayRegistration:
                                   refusal)
                     self.refusal = refusal
                 known = False
-            await asyncio.sleep(self.interval_s)
+            await self._sleep()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -290,6 +328,7 @@ class WorkerBase:
     role_proto = 0  # gateway_pb2.WorkerRole value
     service_names: tuple[str, ...] = ()  # full names of the tier's gRPC services
     max_prefix_hashes = 0  # cached prefix hashes the engine's stats carry (AsyncEngine)
+    switchable = False  # serves WorkerControl.SwitchRole (pdserve.role_worker)
 
     def __init__(self, config: WorkerConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
@@ -328,8 +367,8 @@ class WorkerBase:
         self._probe_task = asyncio.get_running_loop().create_task(self._watch_engine())
         self.registrations = [
             GatewayRegistration(gw, self.worker_info, self.load, cfg.heartbeat_interval_s,
-                                cfg.credentials,
-                                serving=lambda: self._engine_ok and not self._stopping)
+                                cfg.credentials, serving=self.routable,
+                                role=lambda: self.role_proto)
             for gw in cfg.gateways]
         for r in self.registrations:
             r.start()
@@ -370,6 +409,10 @@ class WorkerBase:
     @property
     def engine_ok(self) -> bool:
         return self._engine_ok
+
+    def routable(self) -> bool:
+        """The gateways may route new work here: it is registered with them while True."""
+        return self._engine_ok and not self._stopping
 
     # -- stop -----------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -420,7 +463,8 @@ class WorkerBase:
         return gateway_pb2.WorkerInfo(
             worker_id=self.worker_id, role=self.role_proto, address=self.address,
             model=self.model_name, kv_spec=kv_spec_to_proto(self.engine.kv_spec),
-            load=self.load(), fingerprint=fingerprint.to_proto(self.fingerprint))
+            load=self.load(), fingerprint=fingerprint.to_proto(self.fingerprint),
+            switchable=self.switchable)
 
     async def stats(self) -> common_pb2.StatsResponse:
         return common_pb2.StatsResponse(worker_id=self.worker_id, model=self.model_name,

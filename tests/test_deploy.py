@@ -405,3 +405,190 @@ def test_k8s_network_policies(k8s):
     assert who("decode", 50061) == {"pdserve-gateway", "pdserve-prefill"}
     for tier in ("prefill", "decode"):
         assert who(tier, 9100) == {"prometheus"}
+
+
+# ------------------------------------------------------- schemas, disruption, KEDA
+
+
+_MODELS = {("apps/v1", "Deployment"): "V1Deployment", ("v1", "Service"): "V1Service",
+           ("v1", "ConfigMap"): "V1ConfigMap",
+           ("autoscaling/v2", "HorizontalPodAutoscaler"): "V2HorizontalPodAutoscaler",
+           ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+           ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy"}
+
+
+def _schema_errors(doc: dict) -> list[str]:
+    """Validate one manifest against the `kubernetes` client's models (the API's OpenAPI
+    schema): a wrong type or missing required field fails to build; a field the schema does
+    not know (a typo) is dropped, so the round trip differs and names it."""
+    from kubernetes import client
+
+    api = client.ApiClient()
+    model = _MODELS[(doc["apiVersion"], doc["kind"])]
+    try:
+        back = api.sanitize_for_serialization(api._ApiClient__deserialize(doc, model))
+    except (ValueError, TypeError) as e:
+        return [f"{model}: {e}"]
+    return _diff(doc, back, doc["kind"])
+
+
+def _diff(want, got, path: str) -> list[str]:
+    if isinstance(want, dict) and isinstance(got, dict):
+        return [e for k in want.keys() | got.keys()
+                for e in (_diff(want.get(k), got.get(k), f"{path}.{k}") if k in got
+                          else [f"{path}.{k}: not in the schema"])]
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [e for i, (a, b) in enumerate(zip(want, got)) for e in _diff(a, b, f"{path}[{i}]")]
+    return [] if want == got else [f"{path}: {want!r} became {got!r}"]
+
+
+def test_k8s_manifests_match_the_api_schema(k8s):
+    pytest.importorskip("kubernetes", reason="the kubernetes client is in the dev extras")
+    docs = [d for d in k8s if d["kind"] != "Kustomization"]
+    assert {(d["apiVersion"], d["kind"]) for d in docs} <= set(_MODELS)
+    errors = [e for d in docs for e in _schema_errors(d)]
+    assert not errors, errors
+    # the validator itself: a typo and a wrong type are caught
+    dep = json.loads(json.dumps(_kind(k8s, "Deployment")["pdserve-decode"]))
+    dep["spec"]["template"]["spec"]["terminationGracePeriod"] = 60
+    assert _schema_errors(dep) == [
+        "Deployment.spec.template.spec.terminationGracePeriod: not in the schema"]
+    dep = json.loads(json.dumps(_kind(k8s, "Deployment")["pdserve-decode"]))
+    dep["spec"]["replicas"] = "two"
+    assert _schema_errors(dep)
+
+
+def test_k8s_grace_period_covers_the_worker_drain(k8s):
+    from pdserve.deadlines import DEFAULT_DRAIN_TIMEOUT_S
+
+    deps = _kind(k8s, "Deployment")
+    for tier in ("prefill", "decode"):
+        spec = deps[f"pdserve-{tier}"]["spec"]["template"]["spec"]
+        _, flags = parse_cmdline([*_container(deps[f"pdserve-{tier}"])["command"],
+                                  *_container(deps[f"pdserve-{tier}"])["args"]])
+        drain = float(flags.get("--drain-timeout") or DEFAULT_DRAIN_TIMEOUT_S)
+        # SIGTERM -> drain -> stop must end before the kubelet's SIGKILL, with a margin
+        assert spec["terminationGracePeriodSeconds"] == 60
+        assert drain + 5 <= spec["terminationGracePeriodSeconds"]
+
+
+def test_k8s_disruption_budget_per_tier(k8s):
+    pdbs = _kind(k8s, "PodDisruptionBudget")
+    deps = _kind(k8s, "Deployment")
+    assert set(pdbs) == set(deps) == {f"pdserve-{t}" for t in MODULES}
+    for name, pdb in pdbs.items():
+        pods = deps[name]["spec"]["template"]["metadata"]["labels"]
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= pods.items(), f"{name}: selects other pods"
+        # one pod at a time, and never a budget that blocks every drain of a 1-replica tier
+        assert pdb["spec"] == {"maxUnavailable": 1, "selector": pdb["spec"]["selector"]}
+
+
+# KEDA's ScaledObject CRD (keda.sh/v1alpha1), the fields its documentation lists, with
+# their types; a key not here is a typo KEDA's API server would reject.
+_SCALED_OBJECT = {
+    "spec": {"scaleTargetRef": dict, "pollingInterval": int, "cooldownPeriod": int,
+             "initialCooldownPeriod": int, "idleReplicaCount": int, "minReplicaCount": int,
+             "maxReplicaCount": int, "fallback": dict, "advanced": dict, "triggers": list},
+    "scaleTargetRef": {"apiVersion": str, "kind": str, "name": str,
+                       "envSourceContainerName": str},
+    "advanced": {"restoreToOriginalReplicaCount": bool, "horizontalPodAutoscalerConfig": dict,
+                 "scalingModifiers": dict},
+    "horizontalPodAutoscalerConfig": {"name": str, "behavior": dict},
+    "trigger": {"type": str, "name": str, "metadata": dict, "metricType": str,
+                "useCachedMetrics": bool, "authenticationRef": dict},
+    # the Prometheus scaler's metadata: every value a string
+    "prometheus": {"serverAddress", "query", "threshold", "activationThreshold",
+                   "namespace", "customHeaders", "ignoreNullValues", "queryParameters",
+                   "unsafeSsl", "authModes"},
+}
+
+
+def _check_fields(obj: dict, schema: dict, path: str) -> list[str]:
+    errors = [f"{path}.{k}: unknown field" for k in obj.keys() - schema.keys()]
+    return errors + [f"{path}.{k}: {type(v).__name__}, not {schema[k].__name__}"
+                     for k, v in obj.items() if k in schema and type(v) is not schema[k]]
+
+
+def scaled_object_errors(so: dict) -> list[str]:
+    """A small explicit validator of a ScaledObject against KEDA's documented schema."""
+    s = _SCALED_OBJECT
+    if (so.get("apiVersion"), so.get("kind")) != ("keda.sh/v1alpha1", "ScaledObject"):
+        return ["apiVersion/kind: not keda.sh/v1alpha1 ScaledObject"]
+    spec = so.get("spec", {})
+    errors = _check_fields(spec, s["spec"], "spec")
+    ref = spec.get("scaleTargetRef", {})
+    errors += _check_fields(ref, s["scaleTargetRef"], "spec.scaleTargetRef")
+    if not ref.get("name"):
+        errors.append("spec.scaleTargetRef.name: required")
+    adv = spec.get("advanced", {})
+    errors += _check_fields(adv, s["advanced"], "spec.advanced")
+    errors += _check_fields(adv.get("horizontalPodAutoscalerConfig", {}),
+                            s["horizontalPodAutoscalerConfig"],
+                            "spec.advanced.horizontalPodAutoscalerConfig")
+    if spec.get("minReplicaCount", 0) > spec.get("maxReplicaCount", 100):
+        errors.append("spec: minReplicaCount > maxReplicaCount")
+    if not spec.get("triggers"):
+        errors.append("spec.triggers: at least one required")
+    for i, t in enumerate(spec.get("triggers", [])):
+        p = f"spec.triggers[{i}]"
+        errors += _check_fields(t, s["trigger"], p)
+        if t.get("metricType", "AverageValue") not in ("AverageValue", "Value", "Utilization"):
+            errors.append(f"{p}.metricType: {t['metricType']!r}")
+        if not t.get("type") or "metadata" not in t:
+            errors.append(f"{p}: type and metadata are required")
+        if t.get("type") == "prometheus":
+            md = t.get("metadata", {})
+            errors += [f"{p}.metadata.{k}: unknown field" for k in md.keys() - s["prometheus"]]
+            errors += [f"{p}.metadata.{k}: required" for k in ("serverAddress", "query",
+                                                               "threshold") if k not in md]
+            errors += [f"{p}.metadata.{k}: must be a string" for k, v in md.items()
+                       if not isinstance(v, str)]
+    return errors
+
+
+@functools.cache
+def _keda_docs() -> tuple[dict, list[dict]]:
+    kust = yaml.safe_load((DEPLOY / "k8s" / "keda" / "kustomization.yaml").read_text())
+    docs = [d for d in yaml.safe_load_all(
+        (DEPLOY / "k8s" / "keda" / "scaledobjects.yaml").read_text()) if d]
+    return kust, docs
+
+
+def test_keda_scaled_objects_follow_the_planner_signals(k8s):
+    kust, docs = _keda_docs()
+    deps, hpas = _kind(k8s, "Deployment"), _kind(k8s, "HorizontalPodAutoscaler")
+    exported = _exported_metric_names()
+    errors = [e for d in docs for e in scaled_object_errors(d)]
+    assert not errors, errors
+    want = {"pdserve-prefill": ("num_requests_waiting", "AverageValue"),
+            "pdserve-decode": ("kv_cache_usage_perc", "Value")}
+    by_target = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs}
+    assert set(by_target) == set(want)
+    for name, (metric, metric_type) in want.items():
+        spec = by_target[name]["spec"]
+        assert spec["scaleTargetRef"]["kind"] == "Deployment" and name in deps
+        (t,) = spec["triggers"]
+        assert t["type"] == "prometheus" and t["metricType"] == metric_type
+        assert f"pdserve:{metric}" in exported
+        tier = name.removeprefix("pdserve-")
+        assert re.search(rf'pdserve:{metric}\{{tier="{tier}"\}}', t["metadata"]["query"])
+        # the same limits and scale-down patience as the HPA it replaces
+        hpa = hpas[name]["spec"]
+        assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == \
+            (hpa["minReplicas"], hpa["maxReplicas"])
+        assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["behavior"]
+    # the overlay replaces the base's HPAs: KEDA refuses a target another HPA manages
+    assert kust["resources"] == ["../", "scaledobjects.yaml"]
+    deleted = {yaml.safe_load(p["patch"])["metadata"]["name"] for p in kust["patches"]
+               if "$patch: delete" in p["patch"]}
+    assert deleted == set(hpas) == set(want)
+    # the validator itself catches a typo, a missing query and a non-string threshold
+    bad = json.loads(json.dumps(docs[0]))
+    bad["spec"]["maxReplicas"] = 3
+    md = bad["spec"]["triggers"][0]["metadata"]
+    del md["query"]
+    md["threshold"] = 4
+    assert sorted(scaled_object_errors(bad)) == [
+        "spec.maxReplicas: unknown field", "spec.triggers[0].metadata.query: required",
+        "spec.triggers[0].metadata.threshold: must be a string"]

@@ -114,15 +114,18 @@ def test_registry_heartbeat_timeout_and_static_workers():
 
 
 # -- routing ----------------------------------------------------------------------------------
-def test_router_decode_prefers_room_then_fewest_sequences():
+def test_router_decode_prefers_room_then_fewest_blocks_in_use():
     r = WorkerRegistry(5.0)
-    r.register("a", Role.DECODE, "h:1", "m", SPEC, Load(num_running=4, free_blocks=50))
-    r.register("b", Role.DECODE, "h:2", "m", SPEC, Load(num_running=1, free_blocks=20))
-    r.register("c", Role.DECODE, "h:3", "m", SPEC, Load(num_running=0, free_blocks=1))
+    r.register("a", Role.DECODE, "h:1", "m", SPEC,
+               Load(num_running=4, free_blocks=30, total_blocks=64))
+    r.register("b", Role.DECODE, "h:2", "m", SPEC,
+               Load(num_running=1, free_blocks=40, total_blocks=64))
+    r.register("c", Role.DECODE, "h:3", "m", SPEC,
+               Load(num_running=0, free_blocks=1, total_blocks=64))
     ws = r.alive(Role.DECODE)
     assert [w.worker_id for w in rank_decode(ws, 100, {})] == ["b", "a", "c"]
     # requests this gateway just sent count before the next heartbeat shows them
-    assert next(w.worker_id for w in rank_decode(ws, 100, {"b": 9})) == "a"
+    assert next(w.worker_id for w in rank_decode(ws, 100, {"b": 4})) == "a"
 
 
 def test_router_prefill_prefix_overlap_and_queue_depth():

@@ -1,7 +1,10 @@
-"""The comparison harness: disaggregated vs colocated, prefix caching on vs off, and offline
-throughput against `transformers`, each against its target.
+"""The comparison harness: disaggregated vs colocated, prefix caching on vs off, offline
+throughput against `transformers`, and (on request) the planner against a fixed P:D split
+under a load that changes shape (`elastic`, see `pdserve.bench.elastic`), each against its
+target.
 
-    python -m pdserve.bench.compare [--quick] [--only disagg,prefix,offline] [--out-dir docs/bench]
+    python -m pdserve.bench.compare [--quick] [--only disagg,prefix,offline,elastic]
+                                    [--out-dir docs/bench]
 
 A cluster comparison (`disagg`, `prefix`):
 
@@ -40,14 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import plots
+from pdserve.bench import elastic, plots
 from pdserve.bench.clients import GatewayGRPCClient
 from pdserve.bench.metrics import meets_slo
 from pdserve.bench.runner import RunResult, run_benchmark
 from pdserve.bench.workloads import BenchRequest, Tokenizer, fit_text, make_workload, with_arrivals
 from pdserve.cluster import ClusterConfig, LocalCluster
 
-COMPARISONS = ("disagg", "prefix", "offline")
+COMPARISONS = ("disagg", "prefix", "offline", "elastic")
+DEFAULT_COMPARISONS = ("disagg", "prefix", "offline")  # elastic: ~10 minutes more, on request
 SUSTAINED_ATTAINMENT = 0.9  # DistServe's SLO attainment for "SLO capacity"
 # TPOT SLOs the disaggregated comparison is re-scored under, from the same requests: whether
 # disaggregation pays in goodput depends on how tight the TPOT SLO is (DistServe, fig. 1)
@@ -78,6 +82,7 @@ class Settings:
     dtype: str = "float32"  # the workers' dtype in the disagg and prefix comparisons
     startup_timeout_s: float = 300.0
     long_prompt_params: Mapping[str, Any] = field(default_factory=dict)
+    elastic: elastic.ElasticSettings = elastic.ElasticSettings()
     shared_prefix_params: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = True
     command: str = "python -m pdserve.bench.compare"
@@ -298,6 +303,36 @@ def compare_disagg(s: Settings, tokenizer: Tokenizer, out_dir: Path) -> dict[str
         "tpot_slo_sensitivity": sensitivity,
         "targets": targets,
         "plots": _save_runs(out_dir, "disagg", all_results, "long-prompt", s.seed),
+    }
+
+
+def compare_elastic(s: Settings, tokenizer: Tokenizer, out_dir: Path) -> dict[str, Any]:
+    """(d) the two-phase load on 1 gateway + 2 role workers (one core each): planner off
+    (fixed 1P:1D) vs `--planner slo`; goodput per phase and role switches."""
+    e = s.elastic
+    ttft, tpot = s.ttft_slo_ms / 1000, s.tpot_slo_ms / 1000
+    load = elastic.two_phase_load(e, tokenizer, s.seed)
+    warmup = warmup_requests("fixed", tokenizer, s, {"input_len": 64, "output_len": 4})
+    c0, c1 = two_cores()
+    engine = ("--kv-cache-memory", s.kv_cache_memory, "--dtype", s.dtype, "--threads", "1")
+    phases, switches, results = {}, {}, []
+    for label, planner in (("fixed", False), ("planner", True)):
+        cfg = elastic.cluster_config(s.model, engine, planner, ttft, tpot, e,
+                                     f"prefill={c0},decode={c1}")
+        result, switches[label] = elastic.run_elastic(
+            cfg, label, load, warmup, ttft, tpot, s.drain_s, s.startup_timeout_s, s.progress,
+            log)
+        phases[label] = elastic.phase_goodput(result, e, ttft, tpot)
+        log(f"elastic {label}: {phases[label]}, switches {switches[label]:g}")
+        results.append(result)
+    g = ratio(phases["planner"]["all"]["goodput"], phases["fixed"]["all"]["goodput"])
+    return {
+        "workload": "two-phase", "settings": dataclasses.asdict(e),
+        "slo_ms": {"ttft": s.ttft_slo_ms, "tpot": s.tpot_slo_ms},
+        "phases": phases, "switches": switches, "goodput_ratio": g,
+        "targets": [target("elastic goodput, planner / fixed 1P:1D", g, ">=",
+                           elastic.TARGET_RATIO)],
+        "plots": _save_runs(out_dir, "elastic", results, "two-phase", s.seed),
     }
 
 
@@ -526,7 +561,21 @@ def offline_md(c: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-SECTIONS = {"disagg": disagg_md, "prefix": prefix_md, "offline": offline_md}
+def elastic_md(c: Mapping[str, Any]) -> list[str]:
+    e, slo = c["settings"], c["slo_ms"]
+    return ["## Planner vs fixed 1P:1D under a two-phase load (`elastic`)", "",
+            *_header_md(c),
+            f"1 gateway + 2 role workers, one core each. Phase 1 ({e['phase_s']:g} s): "
+            f"{e['prompt_len']}-token prompts, {e['prompt_phase_output']} output tokens, "
+            f"{e['prompt_rate']:g} req/s; phase 2 ({e['phase_s']:g} s): "
+            f"{e['output_prompt_len']}-token prompts, {e['output_len']} output tokens, "
+            f"{e['output_rate']:g} req/s (Poisson). Goodput: requests per second of the phase "
+            f"meeting TTFT <= {slo['ttft']:g} ms and TPOT <= {slo['tpot']:g} ms.", "",
+            *elastic.elastic_md(c), "", *_targets_md(c["targets"])]
+
+
+SECTIONS = {"disagg": disagg_md, "prefix": prefix_md, "offline": offline_md,
+            "elastic": elastic_md}
 
 
 def results_md(comparisons: Mapping[str, Mapping[str, Any]]) -> str:
@@ -555,7 +604,7 @@ def run(s: Settings, only: Sequence[str], out_dir: Path) -> dict[str, Any]:
     if results_path.exists():
         merged = json.loads(results_path.read_text()).get("comparisons", {})
     tokenizer = None
-    if {"disagg", "prefix"} & set(only):
+    if {"disagg", "prefix", "elastic"} & set(only):
         tokenizer = load_tokenizer(resolve_model(s.model))
     machine = f"{platform.node()} ({len(os.sched_getaffinity(0))} cores usable)"
     for name in COMPARISONS:
@@ -567,6 +616,8 @@ def run(s: Settings, only: Sequence[str], out_dir: Path) -> dict[str, Any]:
             result = compare_disagg(s, tokenizer, out_dir)
         elif name == "prefix":
             result = compare_prefix(s, tokenizer, out_dir)
+        elif name == "elastic":
+            result = compare_elastic(s, tokenizer, out_dir)
         else:
             result = compare_offline(s, out_dir)
         result.update(command=s.command, model=s.model, quick=s.quick, machine=machine,
@@ -602,8 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, QUICK['disagg_rates']))}, "
                         f"{QUICK['prefix_requests']} prefix requests, "
                         f"{QUICK['offline_requests']} offline requests")
-    p.add_argument("--only", type=_only, default=list(COMPARISONS), metavar="LIST",
-                   help=f"comma-separated subset of {','.join(COMPARISONS)} (default: all)")
+    p.add_argument("--only", type=_only, default=list(DEFAULT_COMPARISONS), metavar="LIST",
+                   help=f"comma-separated subset of {','.join(COMPARISONS)} (default: "
+                        f"{','.join(DEFAULT_COMPARISONS)})")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="where results go (default docs/bench; docs/bench/quick with --quick)")
     p.add_argument("--model", default=d.model, help=f"model for every worker (default {d.model})")
@@ -631,6 +683,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {d.dtype})")
     p.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                    help=f"KV cache per worker (default {d.kv_cache_memory})")
+    e = d.elastic
+    p.add_argument("--phase-seconds", type=float, default=e.phase_s, metavar="S",
+                   help=f"elastic: length of each of the two phases (default {e.phase_s:g})")
+    p.add_argument("--elastic-rates", type=float, nargs=2, metavar=("PROMPT", "OUTPUT"),
+                   default=(e.prompt_rate, e.output_rate),
+                   help="elastic: req/s of the long-prompt and the long-output phase "
+                        f"(default {e.prompt_rate:g} {e.output_rate:g})")
+    p.add_argument("--elastic-lengths", type=int, nargs=2, metavar=("PROMPT", "OUTPUT"),
+                   default=(e.prompt_len, e.output_len),
+                   help="elastic: prompt tokens of the long-prompt phase and output tokens "
+                        f"of the long-output phase (default {e.prompt_len} {e.output_len})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
@@ -655,6 +718,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pdserve.bench.compare: --conditional-threshold must be >= 0", file=sys.stderr)
         return 2
     s = dataclasses.replace(s, conditional_threshold=a.conditional_threshold)
+    if not (a.phase_seconds > 0 and all(r > 0 and math.isfinite(r) for r in a.elastic_rates)
+            and min(a.elastic_lengths) >= 1):
+        print("pdserve.bench.compare: --phase-seconds, --elastic-rates and --elastic-lengths "
+              "must be > 0", file=sys.stderr)
+        return 2
+    s = dataclasses.replace(s, elastic=dataclasses.replace(
+        s.elastic, phase_s=a.phase_seconds, prompt_rate=a.elastic_rates[0],
+        output_rate=a.elastic_rates[1], prompt_len=a.elastic_lengths[0],
+        output_len=a.elastic_lengths[1]))
     out_dir = a.out_dir or Path("docs/bench/quick" if a.quick else "docs/bench")
     run(s, a.only, out_dir)
     return 0

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x97\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x16\n\ttimeout_s\x18\t \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0c\n\n_timeout_s\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xeb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Timing\"\x13\n\x11ListModelsRequest\"l\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x03 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\xe3\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12(\n\x07kv_spec\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.KVCacheSpec\x12$\n\x04load\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12,\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\"o\n\x0b\x46ingerprint\x12\x16\n\x0eweights_sha256\x18\x01 \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\x02 \x01(\t\x12\x15\n\rproto_version\x18\x03 \x01(\r\x12\x17\n\x0fpdserve_version\x18\x04 \x01(\t\"?\n\x15RegisterWorkerRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"S\n\x16RegisterWorkerResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x02 \x01(\x01\"K\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"#\n\x12\x44\x65registerResponse\x12\r\n\x05known\x18\x01 \x01(\x08*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\x9f\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse2\x80\x02\n\x0eWorkerRegistry\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x97\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x16\n\ttimeout_s\x18\t \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0c\n\n_timeout_s\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xeb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.pdserve.v1.Timing\"\x13\n\x11ListModelsRequest\"l\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_prefill_workers\x18\x03 \x01(\r\x12\x1a\n\x12num_decode_workers\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\xf7\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12(\n\x07kv_spec\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.KVCacheSpec\x12$\n\x04load\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12,\n\x0b\x66ingerprint\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x12\n\nswitchable\x18\x08 \x01(\x08\"o\n\x0b\x46ingerprint\x12\x16\n\x0eweights_sha256\x18\x01 \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\x02 \x01(\t\x12\x15\n\rproto_version\x18\x03 \x01(\r\x12\x17\n\x0fpdserve_version\x18\x04 \x01(\t\"?\n\x15RegisterWorkerRequest\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"S\n\x16RegisterWorkerResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x02 \x01(\x01\"K\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"#\n\x12\x44\x65registerResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"9\n\x11SwitchRoleRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\"K\n\x12SwitchRoleResponse\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x0f\n\x07started\x18\x02 \x01(\x08*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\x9f\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse2\x80\x02\n\x0eWorkerRegistry\x12W\n\x0eRegisterWorker\x12!.pdserve.v1.RegisterWorkerRequest\x1a\".pdserve.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1e.pdserve.v1.DeregisterResponse2\\\n\rWorkerControl\x12K\n\nSwitchRole\x12\x1d.pdserve.v1.SwitchRoleRequest\x1a\x1e.pdserve.v1.SwitchRoleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.protos.pdserve.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1693
-  _globals['_WORKERROLE']._serialized_end=1783
+  _globals['_WORKERROLE']._serialized_start=1849
+  _globals['_WORKERROLE']._serialized_end=1939
   _globals['_CHATMESSAGE']._serialized_start=79
   _globals['_CHATMESSAGE']._serialized_end=123
   _globals['_CHATMESSAGES']._serialized_start=125
@@ -53,23 +53,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSRESPONSE']._serialized_start=949
   _globals['_LISTMODELSRESPONSE']._serialized_end=1008
   _globals['_WORKERINFO']._serialized_start=1011
-  _globals['_WORKERINFO']._serialized_end=1238
-  _globals['_FINGERPRINT']._serialized_start=1240
-  _globals['_FINGERPRINT']._serialized_end=1351
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1353
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1416
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1418
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1501
-  _globals['_HEARTBEATREQUEST']._serialized_start=1503
-  _globals['_HEARTBEATREQUEST']._serialized_end=1578
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1580
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1614
-  _globals['_DEREGISTERREQUEST']._serialized_start=1616
-  _globals['_DEREGISTERREQUEST']._serialized_end=1654
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1656
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1691
-  _globals['_GATEWAY']._serialized_start=1786
-  _globals['_GATEWAY']._serialized_end=1945
-  _globals['_WORKERREGISTRY']._serialized_start=1948
-  _globals['_WORKERREGISTRY']._serialized_end=2204
+  _globals['_WORKERINFO']._serialized_end=1258
+  _globals['_FINGERPRINT']._serialized_start=1260
+  _globals['_FINGERPRINT']._serialized_end=1371
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1373
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1436
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1438
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1521
+  _globals['_HEARTBEATREQUEST']._serialized_start=1523
+  _globals['_HEARTBEATREQUEST']._serialized_end=1598
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1600
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1634
+  _globals['_DEREGISTERREQUEST']._serialized_start=1636
+  _globals['_DEREGISTERREQUEST']._serialized_end=1674
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1676
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1711
+  _globals['_SWITCHROLEREQUEST']._serialized_start=1713
+  _globals['_SWITCHROLEREQUEST']._serialized_end=1770
+  _globals['_SWITCHROLERESPONSE']._serialized_start=1772
+  _globals['_SWITCHROLERESPONSE']._serialized_end=1847
+  _globals['_GATEWAY']._serialized_start=1942
+  _globals['_GATEWAY']._serialized_end=2101
+  _globals['_WORKERREGISTRY']._serialized_start=2104
+  _globals['_WORKERREGISTRY']._serialized_end=2360
+  _globals['_WORKERCONTROL']._serialized_start=2362
+  _globals['_WORKERCONTROL']._serialized_end=2454
 # @@protoc_insertion_point(module_scope)

@@ -110,7 +110,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "kv_spec", "load", "fingerprint")
+    __slots__ = ("worker_id", "role", "address", "model", "kv_spec", "load", "fingerprint", "switchable")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class WorkerInfo(_message.Message):
     KV_SPEC_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SWITCHABLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -125,7 +126,8 @@ class WorkerInfo(_message.Message):
     kv_spec: _common_pb2.KVCacheSpec
     load: _common_pb2.WorkerLoad
     fingerprint: Fingerprint
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[_common_pb2.KVCacheSpec, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
+    switchable: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., kv_spec: _Optional[_Union[_common_pb2.KVCacheSpec, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., switchable: _Optional[bool] = ...) -> None: ...
 
 class Fingerprint(_message.Message):
     __slots__ = ("weights_sha256", "tokenizer_sha256", "proto_version", "pdserve_version")
@@ -178,3 +180,17 @@ class DeregisterResponse(_message.Message):
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("role", "started")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    started: bool
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., started: _Optional[bool] = ...) -> None: ...

@@ -314,3 +314,93 @@ class WorkerRegistry:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerControlStub:
+    """Served by workers that can change tier (`pdserve.role_worker`), on their own port,
+    cluster credential required. The gateway's planner moves a worker to the tier that needs
+    it: the worker stops taking new work of its current role (it deregisters and refuses
+    such calls with UNAVAILABLE), lets in-flight requests finish and open reservations commit
+    or expire, then registers again in the new role. SwitchRole answers at once; the
+    re-registration says the switch is done.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.v1.WorkerControl/SwitchRole',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerControlServicer:
+    """Served by workers that can change tier (`pdserve.role_worker`), on their own port,
+    cluster credential required. The gateway's planner moves a worker to the tier that needs
+    it: the worker stops taking new work of its current role (it deregisters and refuses
+    such calls with UNAVAILABLE), lets in-flight requests finish and open reservations commit
+    or expire, then registers again in the new role. SwitchRole answers at once; the
+    re-registration says the switch is done.
+    """
+
+    def SwitchRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_gateway__pb2.SwitchRoleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.WorkerControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.WorkerControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerControl:
+    """Served by workers that can change tier (`pdserve.role_worker`), on their own port,
+    cluster credential required. The gateway's planner moves a worker to the tier that needs
+    it: the worker stops taking new work of its current role (it deregisters and refuses
+    such calls with UNAVAILABLE), lets in-flight requests finish and open reservations commit
+    or expire, then registers again in the new role. SwitchRole answers at once; the
+    re-registration says the switch is done.
+    """
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerControl/SwitchRole',
+            protos_dot_pdserve_dot_v1_dot_gateway__pb2.SwitchRoleRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_gateway__pb2.SwitchRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
