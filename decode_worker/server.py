@@ -50,7 +50,7 @@ class DecodeTier:
         self.service = DecodeService(worker.aengine, self.table, worker.metrics, worker.stats,
                                      shm, keepalive_s=worker.config.stream_keepalive_s)
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, server)
-        self.kv_receiver = KVTransferService(self.table)
+        self.kv_receiver = KVTransferService(self.table, shm)
         self.kv_receiver.add_to_server(server)
 
     def load(self) -> common_pb2.WorkerLoad:
