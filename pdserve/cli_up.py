@@ -15,7 +15,7 @@ import time
 from pdserve.cluster import ClusterConfig, ClusterError, Endpoints, HealthStatus, LocalCluster
 from pdserve.engine_args import add_engine_args, engine_argv
 
-__all__ = ["engine_argv", "register"]
+__all__ = ["register"]
 
 
 def _nonneg_int(text: str) -> int:

@@ -47,7 +47,7 @@ def make_tiny_model(path: str, vocab_size: int = 49152, num_kv_heads: int = 2) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pdserve.engine.model_loader import load_tokenizer, resolve_model
+    from pdserve.engine.model_files import load_tokenizer, resolve_model
 
     torch.manual_seed(TINY_SEED)
     cfg = LlamaConfig(
@@ -128,7 +128,7 @@ def smollm2_hf():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pdserve.engine.model_loader import resolve_model
+    from pdserve.engine.model_files import resolve_model
 
     src = resolve_model("smollm2-135m")
     return AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file,
