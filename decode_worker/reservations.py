@@ -29,10 +29,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.kv_cache import KVCacheSpec
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.sink import KVCommitInfo
+from pdserve.protocol import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     import torch

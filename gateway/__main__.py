@@ -133,14 +133,13 @@ def run(a: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 2 for a bad flag value. Logging is the caller's."""
     try:
         config = config_from_args(a)
-        source = resolve_model(config.model)
+        resolve_model(config.model)  # a model that is not there is a flag error
     except (ValueError, OSError) as e:
         print(f"gateway: {e}", file=sys.stderr)
         return 2
-    if source.gguf_file is None:
-        # this process runs no model: keep transformers from loading torch for the config
-        # and tokenizer (it reads a GGUF file's tokenizer through torch, though)
-        hide_torch()
+    # this process runs no model: keep transformers from loading torch for the config and
+    # tokenizer (a GGUF's are read from their export, made by a child process that may)
+    hide_torch()
     asyncio.run(serve(config))
     return 0
 

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pdserve.addresses import addresses as addresses  # re-exported: the gateway's flags
 from pdserve.engine.kv_spec import KVCacheSpec
 
 

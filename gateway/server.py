@@ -28,6 +28,7 @@ import grpc
 from aiohttp import web
 
 from pdserve import fingerprint, rpc
+from pdserve.addresses import addresses
 from pdserve.cluster_auth import ClusterCredentials
 from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S, DEFAULT_STREAM_IDLE_S
 from pdserve.engine.model_files import load_config, load_tokenizer, resolve_model
@@ -46,7 +47,7 @@ from pdserve.gateway.planner import (
     WindowedMean,
 )
 from pdserve.gateway.prompts import PromptProcessor
-from pdserve.gateway.registry import Role, Worker, WorkerRegistry, addresses
+from pdserve.gateway.registry import Role, Worker, WorkerRegistry
 from pdserve.gateway.registry_api import RegistryServicer
 from pdserve.gateway.wire_check import MalformedRequests
 from pdserve.grpc_health import GrpcHealth

@@ -36,7 +36,7 @@ import torch
 
 from pdserve import rpc
 from pdserve.cluster_auth import ClusterCredentials
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
 from pdserve.kvtransfer.receiver import SECRET_METADATA
 from pdserve.kvtransfer.shm import ShmOffer

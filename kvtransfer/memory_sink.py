@@ -16,7 +16,8 @@ from collections import deque
 import torch
 
 from pdserve.engine.kv_blocks import copy_blocks
-from pdserve.engine.kv_cache import KVCacheSpec, PagedKVCache
+from pdserve.engine.kv_cache import PagedKVCache
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.sink import KVCommitInfo
 
 

@@ -55,7 +55,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.protos.pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)

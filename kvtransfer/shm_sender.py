@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.grpc_sender import GrpcKVPushStream, GrpcKVTransport, _Layer
 from pdserve.kvtransfer.shm import SHM_DIR, ShmOffer, ShmSegment, host_id
 from pdserve.kvtransfer.transport import KVPushStream, KVTransferError

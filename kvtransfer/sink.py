@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.shm import ShmOffer
 from pdserve.kvtransfer.sink import KVCommitInfo
 

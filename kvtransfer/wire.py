@@ -38,7 +38,8 @@ import torch
 from crc32c import crc32c
 from google.protobuf.message import DecodeError
 
-from pdserve.engine.kv_cache import KVCacheSpec, dtype_name
+from pdserve.engine.kv_cache import dtype_name
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.protos.pdserve.v1 import common_pb2, kvtransfer_pb2
 

@@ -28,7 +28,7 @@ from pdserve.cluster import (
 )
 from pdserve.engine_args import add_engine_args, engine_argv
 
-__all__ = ["engine_argv", "register"]
+__all__ = ["register"]
 
 
 def _nonneg_int(text: str) -> int:

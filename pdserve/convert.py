@@ -4,18 +4,11 @@ in `pdserve.protocol` (their one definition); this module adds logprobs and the 
 from __future__ import annotations
 
 from pdserve.engine.kv_spec import KVCacheSpec
-from pdserve.protocol import SamplingParams, TokenLogprobs, finish_from_proto, finish_to_proto
+from pdserve.protocol import TokenLogprobs, finish_from_proto, finish_to_proto
 from pdserve.protos.pdserve.v1 import common_pb2
 
 __all__ = ["finish_from_proto", "finish_to_proto", "kv_spec_from_proto", "kv_spec_to_proto",
-           "layouts_match", "logprobs_from_proto", "logprobs_to_proto", "sampling_from_proto",
-           "sampling_to_proto"]
-
-sampling_from_proto = SamplingParams.from_proto
-
-
-def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    return p.to_proto()
+           "layouts_match", "logprobs_from_proto", "logprobs_to_proto"]
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

@@ -34,10 +34,10 @@ from pdserve.deadlines import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S, ST
 from pdserve.engine.async_engine import AsyncEngine, RequestError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from pdserve.grpc_health import GrpcHealth
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
+from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")

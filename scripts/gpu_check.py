@@ -628,7 +628,7 @@ def _engine_model() -> str:
     try:
         import gguf  # noqa: F401
 
-        from pdserve.engine.model_loader import resolve_model
+        from pdserve.engine.model_files import resolve_model
 
         resolve_model("smollm2-135m")
         return "smollm2-135m"
@@ -639,7 +639,7 @@ def _engine_model() -> str:
 def section_engine_throughput(res: Result, dry_run: bool) -> None:
     from pdserve.engine.config import EngineConfig  # the lead's engine; absent -> ImportError here
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     res["engine_importable"] = True
     res.save()

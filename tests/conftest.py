@@ -15,6 +15,31 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_SEED = 1234
 
+# The end-to-end tier: files whose tests start real servers (gRPC, HTTP on 127.0.0.1) or
+# pdserve processes (gateway, workers, clusters, the CLI and scripts). Everything else is
+# the unit tier, in-process and server-free: `make test-unit` runs it alone.
+E2E_FILES = frozenset({
+    "test_bench_loadgen.py", "test_chaos.py", "test_cli_generate.py", "test_cluster.py",
+    "test_compile_check.py", "test_deploy.py", "test_disagg.py", "test_gateway_admission.py",
+    "test_gateway_cluster.py", "test_gateway_e2e.py", "test_gateway_gguf.py",
+    "test_gpu_check.py", "test_kv_connector.py", "test_kv_shm.py", "test_kvtransfer.py",
+    "test_liveness.py", "test_multihost.py", "test_trust.py",
+})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.name in E2E_FILES:
+            item.add_marker(pytest.mark.e2e)
+
+
+def pytest_sessionstart(session) -> None:
+    # a renamed or deleted file must leave the list, not silently move tests between tiers
+    here = os.path.dirname(os.path.abspath(__file__))
+    missing = sorted(f for f in E2E_FILES if not os.path.exists(os.path.join(here, f)))
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py E2E_FILES names missing files: {missing}")
+
 
 def make_tiny_model(path: str, vocab_size: int = 49152, num_kv_heads: int = 2) -> str:
     """A 2-layer GQA Llama with random weights and the real SmolLM2 tokenizer, saved as a
@@ -22,7 +47,7 @@ def make_tiny_model(path: str, vocab_size: int = 49152, num_kv_heads: int = 2) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pdserve.engine.model_loader import load_tokenizer, resolve_model
+    from pdserve.engine.model_files import load_tokenizer, resolve_model
 
     torch.manual_seed(TINY_SEED)
     cfg = LlamaConfig(
@@ -103,7 +128,7 @@ def smollm2_hf():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pdserve.engine.model_loader import resolve_model
+    from pdserve.engine.model_files import resolve_model
 
     src = resolve_model("smollm2-135m")
     return AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file,

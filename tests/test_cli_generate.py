@@ -7,7 +7,7 @@ import sys
 
 from conftest import tiny_engine
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

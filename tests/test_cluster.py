@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.cli_up import engine_argv
 from pdserve.cluster import (
     MODULES,
     ClusterConfig,
@@ -30,7 +29,7 @@ from pdserve.cluster import (
     choose_layout,
     parse_cpu_spec,
 )
-from pdserve.engine_args import engine_config_from_args
+from pdserve.engine_args import engine_argv, engine_config_from_args
 
 # ---------------------------------------------------------------------------- pure logic
 

@@ -23,7 +23,7 @@ from pdserve.engine.cpu_kernels.paged_prefill import paged_prefill_attention
 from pdserve.engine.layers import registry
 from pdserve.engine.layers.attention import AttentionMetadata
 from pdserve.engine.layers.registry import get_backend
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 PAD = -7  # table entries past a sequence's blocks: never read, so never checked
 

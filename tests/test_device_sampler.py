@@ -16,7 +16,7 @@ from pdserve.engine.device_sampler import (
 )
 from pdserve.engine.sampler import SampleRow, sample
 from pdserve.engine.sampling_noise import exponential_noise
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 VOCAB = 300
 EOS = (2,)

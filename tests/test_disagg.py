@@ -9,8 +9,7 @@ import grpc
 import pytest
 from conftest import tiny_engine
 
-from pdserve.convert import sampling_to_proto
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -48,7 +47,7 @@ async def _disagg_generate(decode_addr: str, prefill_addr: str, ids: list[int],
             grpc.aio.insecure_channel(prefill_addr) as pch:
         d = decode_pb2_grpc.DecodeWorkerStub(dch)
         p = prefill_pb2_grpc.PrefillWorkerStub(pch)
-        sp = sampling_to_proto(params)
+        sp = params.to_proto()
         res = await d.Reserve(decode_pb2.ReserveRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=sp))
         stream = d.Decode(decode_pb2.DecodeRequest(reservation_id=res.reservation_id))
@@ -138,7 +137,7 @@ def test_corrupt_chunk_rejected_cache_untouched(tiny_model_dir):
                 d = decode_pb2_grpc.DecodeWorkerStub(ch)
                 res = await d.Reserve(decode_pb2.ReserveRequest(
                     request_id="bad", prompt_token_ids=list(range(40)),
-                    sampling=sampling_to_proto(GREEDY)))
+                    sampling=GREEDY.to_proto()))
                 from pdserve.kvtransfer.wire import encode_layer
                 spec = dec.engine.kv_spec
                 k = dec.engine.kv_cache.data[0, 0, :res.num_blocks].clone() + 1
@@ -179,7 +178,7 @@ def test_reservation_expires_and_exhaustion(tiny_model_dir):
         try:
             async with grpc.aio.insecure_channel(dec.address) as ch:
                 d = decode_pb2_grpc.DecodeWorkerStub(ch)
-                sp = sampling_to_proto(SamplingParams(max_tokens=8))
+                sp = SamplingParams(max_tokens=8).to_proto()
                 await d.Reserve(decode_pb2.ReserveRequest(
                     request_id="a", prompt_token_ids=list(range(60)), sampling=sp))
                 assert (await _free_blocks(dec))[0] == 4
@@ -207,8 +206,8 @@ def test_cancelled_stream_frees_blocks(tiny_model_dir):
                 d = decode_pb2_grpc.DecodeWorkerStub(ch)
                 call = d.Generate(decode_pb2.ColocatedGenerateRequest(
                     request_id="long", prompt_token_ids=list(range(30)),
-                    sampling=sampling_to_proto(SamplingParams(max_tokens=500, ignore_eos=True,
-                                                              temperature=0))))
+                    sampling=SamplingParams(max_tokens=500, ignore_eos=True,
+                                            temperature=0).to_proto()))
                 got = 0
                 async for chunk in call:
                     got += len(chunk.token_ids)
@@ -224,7 +223,7 @@ def test_cancelled_stream_frees_blocks(tiny_model_dir):
                 # cancel by request id of a running request ends its stream with "abort"
                 call = d.Generate(decode_pb2.ColocatedGenerateRequest(
                     request_id="other", prompt_token_ids=list(range(30)),
-                    sampling=sampling_to_proto(SamplingParams(max_tokens=500, ignore_eos=True))))
+                    sampling=SamplingParams(max_tokens=500, ignore_eos=True).to_proto()))
                 last = None
                 async for chunk in call:
                     if last is None:

@@ -8,7 +8,7 @@ import logging
 from conftest import tiny_engine
 
 from pdserve.engine.config import EngineConfig, auto_dtype, cpu_flags
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 
 def test_auto_reads_the_cpu_flags(tmp_path):

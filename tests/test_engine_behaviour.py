@@ -8,7 +8,7 @@ import torch
 from conftest import assert_pool_clean, hf_greedy, tiny_engine
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

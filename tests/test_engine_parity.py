@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_parity, assert_pool_clean, hf_greedy, tiny_engine
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 LENGTHS = [5, 17, 33, 64, 100, 180, 260, 400]
 

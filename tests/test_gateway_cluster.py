@@ -111,7 +111,7 @@ def test_real_smollm2_chat_matches_the_engine(tmp_path):
     from pdserve.decode_worker.server import DecodeWorker
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
     from pdserve.worker_runtime import WorkerConfig
 
     eng = LLMEngine(EngineConfig(model="smollm2-135m", kv_cache_memory="64MiB",

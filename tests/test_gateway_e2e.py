@@ -15,7 +15,7 @@ from conftest import tiny_engine
 from test_gateway_support import Cluster
 
 from pdserve.client import PdserveClient
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog because",
            "Hello",

@@ -7,14 +7,15 @@ import asyncio
 
 import pytest
 
+from pdserve.addresses import addresses
 from pdserve.engine.block_hash import block_hashes
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.gateway.admission import AdmissionController, Overloaded
 from pdserve.gateway.errors import ErrorKind, GatewayError
 from pdserve.gateway.openai_protocol import decode_body, parse_chat, parse_completion
 from pdserve.gateway.output import StopMatcher, TextOutput
 from pdserve.gateway.prompts import PromptProcessor
-from pdserve.gateway.registry import Load, Role, WorkerRegistry, addresses
+from pdserve.gateway.registry import Load, Role, WorkerRegistry
 from pdserve.gateway.router import disaggregate, prefix_overlap, rank_decode, rank_prefill
 
 SPEC = KVCacheSpec(2, 64, 16, 2, 16, "float32")
@@ -22,7 +23,7 @@ SPEC = KVCacheSpec(2, 64, 16, 2, 16, "float32")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pdserve.engine.model_loader import load_tokenizer, resolve_model
+    from pdserve.engine.model_files import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("smollm2-135m"))
 

@@ -14,14 +14,13 @@ import torch
 from conftest import assert_pool_clean, tiny_engine
 from test_disagg import _disagg_generate, _free_blocks, _start
 
-from pdserve.convert import sampling_to_proto
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.kv_connector import KVLayerCopy, KVSaver, PagedKVConnector
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import SequenceStatus, TokenLogprobs
+from pdserve.engine.sequence import SequenceStatus
 from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.kvtransfer.transport import KVTransferError
+from pdserve.protocol import SamplingParams, TokenLogprobs
 from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
 from pdserve.worker_runtime import WorkerConfig
 
@@ -175,7 +174,7 @@ def test_load_side_on_engine_thread_and_out_of_vocab_over_grpc(tiny_model_dir):
                 d = decode_pb2_grpc.DecodeWorkerStub(ch)
                 res = await d.Reserve(decode_pb2.ReserveRequest(
                     request_id="bad", prompt_token_ids=PROMPT,
-                    sampling=sampling_to_proto(GREEDY)))
+                    sampling=GREEDY.to_proto()))
             spec = dec.engine.kv_spec
             transport = GrpcKVTransport(timeout_s=30)
             try:
@@ -217,7 +216,7 @@ def test_pushed_kv_not_in_decode_prefix_cache(tiny_model_dir):
             d = decode_pb2_grpc.DecodeWorkerStub(ch)
             async for chunk in d.Generate(decode_pb2.ColocatedGenerateRequest(
                     request_id=request_id, prompt_token_ids=PROMPT,
-                    sampling=sampling_to_proto(GREEDY))):
+                    sampling=GREEDY.to_proto())):
                 last = chunk
         return last.num_cached_tokens
 

@@ -31,9 +31,7 @@ from test_kvtransfer import (
     _wait_for,
 )
 
-from pdserve.convert import sampling_to_proto
 from pdserve.decode_worker.server import DecodeWorker
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVCommitInfo, KVTransferError
 from pdserve.kvtransfer.shm import (
     SHM_DIR,
@@ -47,6 +45,7 @@ from pdserve.kvtransfer.shm import (
 from pdserve.kvtransfer.shm_sender import ShmKVTransport
 from pdserve.kvtransfer.wire import encode_layer_descriptors, encode_layer_messages
 from pdserve.prefill_worker.server import PrefillWorker
+from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -388,7 +387,7 @@ async def _generate_via_offer(decode_addr: str, prefill_addr: str, ids: list[int
             grpc.aio.insecure_channel(prefill_addr) as pch:
         d = decode_pb2_grpc.DecodeWorkerStub(dch)
         p = prefill_pb2_grpc.PrefillWorkerStub(pch)
-        sp = sampling_to_proto(params)
+        sp = params.to_proto()
         res = await d.Reserve(decode_pb2.ReserveRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=sp))
         assert res.HasField("shm") and res.shm.segment in _own_segments()
@@ -446,7 +445,7 @@ def test_unused_offer_released_with_its_reservation(tiny_model_dir):
                 d = decode_pb2_grpc.DecodeWorkerStub(ch)
                 res = await d.Reserve(decode_pb2.ReserveRequest(
                     request_id="c", prompt_token_ids=list(range(40)),
-                    sampling=sampling_to_proto(SamplingParams(max_tokens=2))))
+                    sampling=SamplingParams(max_tokens=2).to_proto()))
                 assert res.shm.segment in _own_segments()
                 await d.Cancel(decode_pb2.CancelRequest(reservation_id=res.reservation_id))
                 assert res.shm.segment not in _own_segments()

@@ -16,7 +16,7 @@ import torch
 from crc32c import crc32c
 
 from pdserve.engine.kv_blocks import copy_blocks, gather_blocks
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer import KVChunkError, KVCommitInfo, KVTransferError
 from pdserve.kvtransfer.grpc_sender import GrpcKVTransport
 from pdserve.kvtransfer.malloc_tuning import keep_freed_memory

@@ -11,12 +11,11 @@ import grpc
 import pytest
 from conftest import assert_pool_clean, tiny_engine
 
-from pdserve.convert import sampling_from_proto, sampling_to_proto
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.gateway import migration
 from pdserve.gateway.errors import ErrorKind, GatewayError
 from pdserve.gateway.registry import Load, Role, Worker
 from pdserve.gateway.request import GenerationRequest
+from pdserve.protocol import SamplingParams
 
 PROMPT = [1, 17, 230, 4051, 99, 12, 7, 801, 3300, 45]
 
@@ -29,7 +28,7 @@ def _resume_in_engine(engine, params: SamplingParams, cut: int) -> tuple[list[in
     again = migration.resumed(req, whole[:cut], attempt=1)
     assert again.cluster_id != req.cluster_id
     # the params cross the wire to the worker: through the proto, as they would
-    wire = sampling_from_proto(sampling_to_proto(again.params))
+    wire = SamplingParams.from_proto(again.params.to_proto())
     rest = engine.generate([list(again.prompt_token_ids)], wire)[0].token_ids
     return list(whole), list(whole[:cut]) + list(rest)
 

@@ -5,7 +5,7 @@ prompt blocks + queued prompts' blocks."""
 from __future__ import annotations
 
 from pdserve.engine.block_hash import block_hashes
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.gateway.registry import Load, Role, Worker
 from pdserve.gateway.router import decode_cost, prefill_cost, rank_decode, rank_prefill
 

@@ -11,8 +11,8 @@ from conftest import assert_pool_clean, tiny_engine
 from pdserve.decode_worker.reservations import ReservationTable
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.metrics import TierMetrics, TokenTimer
+from pdserve.protocol import SamplingParams
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ from conftest import assert_pool_clean, tiny_engine
 
 from pdserve.engine.decode_buffers import bucket_for, decode_buckets
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protocol import SamplingParams
 
 
 def _engine(model_dir: str, static: bool, **kw):

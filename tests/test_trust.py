@@ -19,11 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve import fingerprint, rpc
 from pdserve.client import PdserveClient
 from pdserve.cluster_auth import TOKEN_METADATA, ClusterCredentials
-from pdserve.convert import kv_spec_to_proto, sampling_to_proto
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.convert import kv_spec_to_proto
 from pdserve.gateway.registry import Role
 from pdserve.gateway.server import Gateway, GatewayConfig
 from pdserve.kvtransfer.receiver import SECRET_METADATA
+from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -188,7 +188,7 @@ def test_worker_rpcs_refuse_callers_without_the_token(tiny_model_dir):
                 calls = {
                     "Reserve": lambda md: d.Reserve(decode_pb2.ReserveRequest(
                         request_id="x", prompt_token_ids=PROMPT,
-                        sampling=sampling_to_proto(GREEDY)), metadata=md),
+                        sampling=GREEDY.to_proto()), metadata=md),
                     "Cancel": lambda md: d.Cancel(decode_pb2.CancelRequest(request_id="x"),
                                                   metadata=md),
                     "decode Stats": lambda md: d.Stats(common_pb2.StatsRequest(), metadata=md),
@@ -201,7 +201,7 @@ def test_worker_rpcs_refuse_callers_without_the_token(tiny_model_dir):
                     "Generate": lambda md: _drain(d.Generate(
                         decode_pb2.ColocatedGenerateRequest(
                             request_id="x", prompt_token_ids=PROMPT,
-                            sampling=sampling_to_proto(GREEDY)), metadata=md)),
+                            sampling=GREEDY.to_proto()), metadata=md)),
                 }
                 for name, call in calls.items():
                     for md in ((), wrong):
@@ -241,7 +241,7 @@ def test_forged_kv_is_refused_and_the_reservation_survives(tiny_model_dir):
             async with rpc.aio_channel(dec.address, CREDS) as dch, \
                     rpc.aio_channel(pre.address, CREDS) as pch:
                 d = decode_pb2_grpc.DecodeWorkerStub(dch)
-                sp = sampling_to_proto(GREEDY)
+                sp = GREEDY.to_proto()
                 res = await d.Reserve(decode_pb2.ReserveRequest(
                     request_id="victim", prompt_token_ids=PROMPT, sampling=sp))
                 assert len(res.reservation_secret) == 32  # 128 bits, hex

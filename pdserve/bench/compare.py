@@ -596,7 +596,7 @@ def results_md(comparisons: Mapping[str, Mapping[str, Any]]) -> str:
 def run(s: Settings, only: Sequence[str], out_dir: Path) -> dict[str, Any]:
     """Run the comparisons in `only`, merge them into `out_dir/results.json`, rewrite
     `results.md`, and return the merged comparisons."""
-    from pdserve.engine.model_loader import load_tokenizer, resolve_model
+    from pdserve.engine.model_files import load_tokenizer, resolve_model
 
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.json"

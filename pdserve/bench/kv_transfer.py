@@ -49,12 +49,12 @@ from pdserve import rpc
 from pdserve.bench.report_io import emit_report
 from pdserve.cluster import LocalCluster
 from pdserve.cluster_auth import ClusterCredentials
-from pdserve.convert import kv_spec_from_proto, sampling_to_proto
-from pdserve.engine.kv_cache import KVCacheSpec
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.convert import kv_spec_from_proto
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.shm import offer_from_proto
 from pdserve.kvtransfer.shm_sender import ShmKVTransport
 from pdserve.kvtransfer.sink import KVCommitInfo
+from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 BANDWIDTH_DEFINITION = (
@@ -70,7 +70,7 @@ def _prompt(n: int, salt: int) -> list[int]:
 async def _reserve(d, ids: list[int], rid: str, max_tokens: int = 2):
     return await d.Reserve(decode_pb2.ReserveRequest(
         request_id=rid, prompt_token_ids=ids,
-        sampling=sampling_to_proto(SamplingParams(max_tokens=max_tokens, temperature=0))))
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0).to_proto()))
 
 
 def pin_this_process(cores: tuple[int, ...] | None) -> None:
@@ -177,7 +177,7 @@ async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats
             t0 = time.perf_counter()
             pre = await p.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=ids,
-                sampling=sampling_to_proto(SamplingParams(max_tokens=2, temperature=0)),
+                sampling=SamplingParams(max_tokens=2, temperature=0).to_proto(),
                 decode_address=decode_addr, reservation_id=res.reservation_id,
                 reserved_blocks=res.num_blocks, decode_kv_spec=res.kv_spec,
                 reservation_secret=res.reservation_secret,

@@ -33,7 +33,7 @@ def run_engine(model: str, dtype: str, prompts, outputs, threads: int | None,
                profile: bool = False, kv_cache_dtype: str | None = None) -> dict:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_memory="2GiB",
                                  kv_cache_dtype=kv_cache_dtype, num_threads=threads,
@@ -79,7 +79,7 @@ def run_engine(model: str, dtype: str, prompts, outputs, threads: int | None,
 def run_transformers(model: str, dtype: str, prompts, outputs, batch: int = 16) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from pdserve.engine.model_loader import resolve_model
+    from pdserve.engine.model_files import resolve_model
 
     src = resolve_model(model)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from pdserve.engine.model_loader import load_tokenizer, resolve_model
+    from pdserve.engine.model_files import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(a.model))
     prompts, outputs = _workload(tok, a.num_requests, a.seed)

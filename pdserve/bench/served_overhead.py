@@ -70,7 +70,7 @@ def weight_bytes(model) -> int:
 
 def engine_side(engine, requests: list[BenchRequest]) -> EngineSide:
     """Run `requests` at once in `engine`, timing each request's tokens per step."""
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.protocol import SamplingParams
 
     times: dict[str, list[float]] = {}
     for r in requests:

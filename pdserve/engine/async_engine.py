@@ -29,8 +29,8 @@ import torch
 
 from pdserve.engine.kv_connector import KVReservation, KVSaver
 from pdserve.engine.llm_engine import LLMEngine, SeqDelta
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import SequenceStatus, TokenLogprobs
+from pdserve.engine.sequence import SequenceStatus
+from pdserve.protocol import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("pdserve.engine")
 

@@ -23,7 +23,7 @@ import torch
 
 from pdserve.engine.sampler import SampleRow
 from pdserve.engine.sampling_noise import exponential_noise, row_seed
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.protocol import TokenLogprobs
 
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' bound; what a captured step computes
 

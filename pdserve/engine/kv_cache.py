@@ -1,5 +1,5 @@
 """The paged KV cache: the tensors that hold it, laid out as `kv_spec.KVCacheSpec` says
-(re-exported here; the spec itself is torch-free so the gateway can use it).
+(the spec itself is torch-free, in `kv_spec`, so the gateway can use it).
 
 Layout, defined once here and nowhere else:
 
@@ -17,7 +17,7 @@ import torch
 
 from pdserve.engine.kv_spec import KVCacheSpec, check_dtype_name
 
-__all__ = ["KVCacheSpec", "PagedKVCache", "dtype_from_name", "dtype_name", "parse_bytes"]
+__all__ = ["PagedKVCache", "dtype_from_name", "dtype_name", "parse_bytes"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

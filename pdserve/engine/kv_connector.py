@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.kv_blocks import copy_blocks, gather_blocks
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.protocol import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine, SeqDelta

@@ -20,21 +20,17 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import KVCacheSpec, PagedKVCache, dtype_from_name
+from pdserve.engine.kv_cache import PagedKVCache, dtype_from_name
 from pdserve.engine.kv_connector import KVConnector, KVSaver, PagedKVConnector
+from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.engine.layers.registry import get_backend
 from pdserve.engine.llama import LlamaDims, LlamaModel
-from pdserve.engine.model_loader import (
-    ModelSource,
-    eos_token_ids,
-    load_hf_weights,
-    load_tokenizer,
-    resolve_model,
-)
+from pdserve.engine.model_files import ModelSource, eos_token_ids, load_tokenizer, resolve_model
+from pdserve.engine.model_loader import load_hf_weights
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.protocol import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("pdserve.engine")
 

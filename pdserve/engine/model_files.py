@@ -5,15 +5,38 @@ Torch-free: the gateway loads only these. `transformers` imports torch whenever 
 installed, so a process that must stay torch-free (the gateway's own) calls
 `hide_torch()` first; transformers then uses its torch-less code paths, which the
 config and tokenizer classes support.
+
+A GGUF is the exception: transformers reads its tokenizer and config only through torch.
+So a torch-free process gets them from an export, made once per GGUF content:
+
+    first load  -> child process `python -m pdserve.engine.model_files --export MODEL`
+                   (torch allowed there) writes config.json and the tokenizer files into
+                   a temp dir beside the target and renames it into place
+    every load  -> config and tokenizer read from <cache>/tokenizers/<key>/, torch hidden
+
+<cache> is the C kernels' cache root (`cpu_kernels.build.cache_dir`). <key> hashes the
+GGUF's header (metadata and tensor index: everything the export reads, not the weights, so
+the key costs a few MB of reading for any model size) and the transformers version. The
+rename is atomic: a directory that exists is complete, and of two processes exporting at
+once, one rename wins and the other discards its copy. Processes that load torch anyway
+(the workers) read the GGUF directly, as before.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
+import mmap
 import os
+import shutil
+import struct
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +52,10 @@ def hide_torch() -> bool:
         return False
     sys.modules["torch"] = None  # type: ignore[assignment]
     return True
+
+
+def torch_hidden() -> bool:
+    return "torch" in sys.modules and sys.modules["torch"] is None
 
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -68,20 +95,30 @@ def resolve_model(model: str) -> ModelSource:
         "directory (with config.json), nor a .gguf file (weights cannot be downloaded here)")
 
 
+def _hf_location(source: ModelSource) -> tuple[str, dict[str, Any]]:
+    """Where transformers reads the config and tokenizer from: the GGUF itself, or its
+    export when this process has hidden torch."""
+    if not source.gguf_file:
+        return source.directory, {}
+    if torch_hidden():
+        return str(gguf_export(source)), {}
+    return source.directory, {"gguf_file": source.gguf_file}
+
+
 def load_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoConfig.from_pretrained(source.directory, **kwargs)
+    directory, kwargs = _hf_location(source)
+    return AutoConfig.from_pretrained(directory, **kwargs)
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:
     """The model's tokenizer (with its chat template), or None when the model ships none."""
     from transformers import AutoTokenizer
 
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    directory, kwargs = _hf_location(source)
     try:
-        return AutoTokenizer.from_pretrained(source.directory, **kwargs)
+        return AutoTokenizer.from_pretrained(directory, **kwargs)
     except (OSError, ValueError, TypeError) as e:
         log.warning("no tokenizer for %s (%s); token ids only", source.name, e)
         return None
@@ -118,3 +155,133 @@ def eos_token_ids(config: Any, tokenizer: Any | None, source: ModelSource) -> tu
         with open(gen_cfg) as f:
             add(json.load(f).get("eos_token_id"))
     return tuple(sorted(ids))
+
+
+# GGUF value types (gguf spec): fixed sizes by type code; 8 is a string, 9 an array.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+EXPORT_FORMAT = 1  # bumped when the export's contents change
+
+
+def gguf_header_size(path: str | os.PathLike) -> int:
+    """Bytes from the file's start to the end of its tensor index: the magic, the metadata
+    (tokenizer and hyperparameters) and each tensor's name, shape, type and offset.
+    ValueError when the file is not a GGUF (v2 or v3)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF" or struct.unpack_from("<I", m, 4)[0] not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file")
+        n_tensors, n_kv = struct.unpack_from("<QQ", m, 8)
+        pos = 24
+
+        def skip_string(p: int) -> int:
+            return p + 8 + struct.unpack_from("<Q", m, p)[0]
+
+        def skip_value(p: int, vtype: int) -> int:
+            if vtype == _GGUF_STRING:
+                return skip_string(p)
+            if vtype == _GGUF_ARRAY:
+                etype, count = struct.unpack_from("<IQ", m, p)
+                p += 12
+                if etype in _GGUF_SIZES:
+                    return p + count * _GGUF_SIZES[etype]
+                for _ in range(count):
+                    p = skip_value(p, etype)
+                return p
+            return p + _GGUF_SIZES[vtype]
+
+        for _ in range(n_kv):
+            pos = skip_string(pos)
+            (vtype,) = struct.unpack_from("<I", m, pos)
+            pos = skip_value(pos + 4, vtype)
+        for _ in range(n_tensors):
+            pos = skip_string(pos)
+            (n_dims,) = struct.unpack_from("<I", m, pos)
+            pos += 4 + 8 * n_dims + 4 + 8  # dims, type, offset
+        return pos
+
+
+def gguf_export_dir(gguf_path: str | os.PathLike) -> Path:
+    """Where the export of this GGUF lives (it may not exist yet)."""
+    from pdserve.engine.cpu_kernels.build import cache_dir
+
+    h = hashlib.sha256(f"pdserve-export {EXPORT_FORMAT} transformers "
+                       f"{importlib.metadata.version('transformers')}\0".encode())
+    with open(gguf_path, "rb") as f:
+        h.update(f.read(gguf_header_size(gguf_path)))
+    return cache_dir() / "tokenizers" / h.hexdigest()[:32]
+
+
+def gguf_export(source: ModelSource) -> Path:
+    """The directory holding this GGUF's config and tokenizer as plain Hugging Face files,
+    exported by a child process the first time (see the module docstring). OSError naming
+    the child's last words when it fails."""
+    assert source.gguf_file is not None
+    gguf_path = os.path.join(source.directory, source.gguf_file)
+    target = gguf_export_dir(gguf_path)
+    if target.is_dir():
+        return target
+    log.info("exporting the tokenizer and config of %s to %s (once)", gguf_path, target)
+    # the child must import this checkout's pdserve, wherever it was started from
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run([sys.executable, "-m", "pdserve.engine.model_files", "--export",
+                           gguf_path], env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not target.is_dir():
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OSError(f"exporting the tokenizer and config of {gguf_path} failed "
+                      f"(exit {proc.returncode}): {tail}")
+    return target
+
+
+def write_gguf_export(source: ModelSource) -> Path:
+    """Read the GGUF's config and tokenizer (through torch) and write them as the export;
+    the child's side of `gguf_export`. Returns the export's directory."""
+    assert source.gguf_file is not None and not torch_hidden()
+    target = gguf_export_dir(os.path.join(source.directory, source.gguf_file))
+    if target.is_dir():
+        return target
+    config = load_config(source)
+    tokenizer = load_tokenizer(source)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+    try:
+        config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():  # not a concurrent export winning the race: a failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.engine.model_files",
+        description="Export a GGUF model's config and tokenizer as plain Hugging Face files "
+                    "into the cache, for processes that load them without torch (the "
+                    "gateway). Prints the export's directory.")
+    p.add_argument("--export", required=True, metavar="MODEL",
+                   help=f"the alias {DEFAULT_MODEL!r}, a .gguf file or a directory holding one")
+    a = p.parse_args(argv)
+    try:
+        source = resolve_model(a.export)
+        if source.gguf_file is None:
+            print(f"{a.export}: not a GGUF model; its files are read directly",
+                  file=sys.stderr)
+            return 0
+        print(write_gguf_export(source))
+    except (OSError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,6 @@
 """Loading a model's weights: `transformers` reads them (safetensors directory or GGUF); its
 modules are not kept — the weights move into `pdserve.engine.llama.LlamaModel`. Finding a
-model and reading its config and tokenizer are torch-free, in `model_files` (re-exported
-here for engine code).
+model and reading its config and tokenizer are torch-free, in `model_files`.
 """
 
 from __future__ import annotations
@@ -12,17 +11,9 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.model_files import (
-    DEFAULT_MODEL,
-    ModelSource,
-    eos_token_ids,
-    load_config,
-    load_tokenizer,
-    resolve_model,
-)
+from pdserve.engine.model_files import ModelSource
 
-__all__ = ["DEFAULT_MODEL", "ModelSource", "eos_token_ids", "load_config", "load_hf_weights",
-           "load_tokenizer", "resolve_model"]
+__all__ = ["load_hf_weights"]
 
 
 def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[Any, dict]:

@@ -29,7 +29,7 @@ from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.llama import LlamaModel
 from pdserve.engine.sampler import SampleRow
 from pdserve.engine.scheduler import ScheduledSeq
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.protocol import TokenLogprobs
 
 log = logging.getLogger(__name__)
 

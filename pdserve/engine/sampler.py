@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.sampling_noise import exponential_noise, row_seed
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.protocol import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_ABORTED: ABORT,
 }
 
-__all__ = ["FINISH_REASONS", "Sequence", "SequenceStatus", "TokenLogprobs"]
+__all__ = ["FINISH_REASONS", "Sequence", "SequenceStatus"]
 
 
 @dataclass
