@@ -461,24 +461,30 @@ class LocalCluster:
     @staticmethod
     def _spawn(ch: _Child, env: dict[str, str],
                prctl: Callable[..., int] | None) -> subprocess.Popen:
-        cores = ch.cpus
-
-        def preexec() -> None:  # runs in the child between fork and exec: no imports, no locks
-            if prctl is not None:
-                prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-            if cores is not None:
-                os.sched_setaffinity(0, cores)
-
+        preexec = None
+        if prctl is not None and threading.current_thread() is threading.main_thread():
+            def preexec() -> None:  # in the child between fork and exec: one syscall through
+                prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # a function resolved before fork
+        # (a Python preexec in a child forked from any other thread can crash the child
+        # before exec — seen as "Fatal Python error: Segmentation fault" under supervise() —
+        # so restarts from a supervising thread fork without one: they run in their own
+        # session, and stop() ends them)
         with open(ch.log_path, "ab") as log:
             extra = "".join(f"{k}={v} " for k, v in ch.env)
             log.write(f"$ {extra}{' '.join(ch.argv)}\n".encode())
             log.flush()
-            return subprocess.Popen(ch.argv, stdin=subprocess.DEVNULL, stdout=log,
+            proc = subprocess.Popen(ch.argv, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env={**env, **dict(ch.env)},
-                                    start_new_session=True,
-                                    # preexec only makes two syscalls through functions
-                                    # resolved before fork: safe with threads in the parent
-                                    preexec_fn=preexec, close_fds=True)  # noqa: PLW1509
+                                    start_new_session=True, preexec_fn=preexec,
+                                    close_fds=True)  # noqa: PLW1509
+        if ch.cpus is not None:
+            # from the parent, by pid: the child is still starting Python when this lands,
+            # long before torch reads its affinity to size its thread pool
+            try:
+                os.sched_setaffinity(proc.pid, ch.cpus)
+            except ProcessLookupError:
+                pass  # it died at once; the supervisor sees the exit
+        return proc
 
     @property
     def endpoints(self) -> Endpoints:
