@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv_cache import dtype_from_name, parse_bytes
 
+# Whether overlap_scheduling=auto turns overlap on for a CPU engine (see overlap_enabled).
+OVERLAP_ON_CPU = False
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +28,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; default: all usable cores
     show_progress: bool = True
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched op by op)
+    # schedule step N+1 while N runs (pdserve.engine.overlap): auto | on | off
+    overlap_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
         dtype_from_name(self.dtype)
@@ -39,6 +44,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         parse_bytes(self.kv_cache_memory)
+        if self.overlap_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_scheduling must be auto, on or off, got "
+                             f"{self.overlap_scheduling!r}")
 
     @property
     def cache_dtype(self) -> str:
@@ -48,6 +56,14 @@ class EngineConfig:
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
+
+    @property
+    def overlap_enabled(self) -> bool:
+        """auto: on for CUDA; off elsewhere, where a launch finishes before it returns and
+        there is nothing to overlap (OVERLAP_ON_CPU says what was measured)."""
+        if self.overlap_scheduling == "auto":
+            return self.device.startswith("cuda") or OVERLAP_ON_CPU
+        return self.overlap_scheduling == "on"
 
     def threads(self) -> int:
         if self.num_threads:
