@@ -33,6 +33,7 @@ are tested there). The edges:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,7 +57,16 @@ class InFlight:
     sched: SchedulerOutput
     # request id -> row of the step's sampler output, for sequences given a placeholder
     pending: dict[str, int]
-    host_s: float  # host time of the call that launched it
+
+
+@dataclass(frozen=True)
+class _Published:
+    """A step whose results a call published: what the engine's counters record of it."""
+
+    sched: SchedulerOutput
+    forward_s: float
+    used_slots: int
+    allocated_slots: int
 
 
 class OverlapStepper:
@@ -65,9 +75,14 @@ class OverlapStepper:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.inflight: InFlight | None = None
+        self._published: _Published | None = None
 
     def has_inflight(self) -> bool:
         return self.inflight is not None
+
+    def drain(self) -> list[SeqDelta]:
+        """Wait for the step in flight and publish it (before turning overlap off)."""
+        return self._timed(self._finish)
 
     def forget(self, seq: Sequence) -> None:
         """An aborted sequence: drop its placeholder (the running step's row is ignored)."""
@@ -77,27 +92,38 @@ class OverlapStepper:
             seq.output_token_ids.pop()
 
     def step(self) -> list[SeqDelta]:
+        return self._timed(self._step)
+
+    def _timed(self, fn: Callable[[], list[SeqDelta]]) -> list[SeqDelta]:
+        """Run fn; the call's whole time counts as the time of the step it publishes (the
+        sums stay the engine's busy time)."""
         t0 = time.perf_counter()
+        self._published = None
         try:
-            return self._step(t0)
+            deltas = fn()
         except BaseException:
             self._drop_placeholders()
             self.inflight = None
             raise
+        p = self._published
+        if p is not None:
+            self.engine._record_step(p.sched, deltas, p.forward_s, time.perf_counter() - t0,
+                                     p.used_slots, p.allocated_slots)
+        return deltas
 
-    def _step(self, t0: float) -> list[SeqDelta]:
+    def _step(self) -> list[SeqDelta]:
         eng = self.engine
         sched = eng.scheduler.schedule()
         deltas: list[SeqDelta] = []
         if self._needs_history(sched.scheduled):
-            deltas = self._finish(t0)
+            deltas = self._finish()
             sched.scheduled = [s for s in sched.scheduled if not s.seq.is_finished]
         if sched.empty:
-            return deltas + self._finish(t0)
+            return deltas + self._finish()
         conn = eng.kv_connector
         plan = eng.runner.prepare_step(sched.scheduled, conn.save_layer if conn.saving else None,
                                        self._pending_inputs(sched.scheduled))
-        deltas += self._finish(t0)
+        deltas += self._finish()
         try:
             handle = eng.runner.launch(plan)
         finally:
@@ -111,10 +137,10 @@ class OverlapStepper:
             if not seq.is_finished and not self._finishes_surely(seq):
                 seq.output_token_ids.append(PLACEHOLDER)
                 pending[seq.request_id] = row
-        self.inflight = InFlight(handle, sched, pending, time.perf_counter() - t0)
+        self.inflight = InFlight(handle, sched, pending)
         return deltas
 
-    def _finish(self, t0: float) -> list[SeqDelta]:
+    def _finish(self) -> list[SeqDelta]:
         """Wait for the step in flight and publish it: step 3 of the module docstring."""
         f, self.inflight = self.inflight, None
         if f is None:
@@ -132,9 +158,7 @@ class OverlapStepper:
         allocated = sum(len(s.seq.block_table) for s in live) * eng.pool.block_size
         deltas = [eng._append_token(s.seq, tok, lp) for s, tok, lp in results
                   if not s.seq.is_finished]
-        # the host time of this call so far, and of the one that launched the step
-        eng._record_step(f.sched, deltas, eng.runner.last_timing.forward_s,
-                         f.host_s + time.perf_counter() - t0, used, allocated)
+        self._published = _Published(f.sched, eng.runner.last_timing.forward_s, used, allocated)
         return deltas
 
     def _pending_inputs(self, scheduled: list[ScheduledSeq]) -> PendingInputs | None:
