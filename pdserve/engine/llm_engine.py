@@ -6,7 +6,9 @@ runs it, appends sampled tokens, finishes sequences that hit a stop condition an
 their blocks. KV leaves and enters through `kv_connector` (`pdserve.engine.kv_connector`):
 a request added with a `KVSaver` has its prompt's KV saved layer by layer as it is
 computed; `reserve` / `commit_remote_kv` are the connector's bookkeeping for a prompt whose
-KV another worker pushes.
+KV another worker pushes. With overlap scheduling on (`EngineConfig.overlap_scheduling`),
+`step` delegates to `pdserve.engine.overlap`: it schedules and prepares the next step while
+the launched one runs, and returns the deltas of the step before.
 """
 
 from __future__ import annotations
