@@ -51,6 +51,10 @@ ENGINE_FLAGS = (
     _Flag("--no-prefix-caching", False, "disable prefix caching", switch=True),
     _Flag("--enforce-eager", False, "CUDA: do not capture decode steps as CUDA graphs "
           "(slower; for debugging and parity checks)", switch=True),
+    _Flag("--overlap-scheduling", "auto",
+          "schedule and prepare decode step N+1 while step N runs on the device (default "
+          "auto: on for CUDA, off on the CPU, where a step finishes before it returns)",
+          {"choices": ["auto", "on", "off"]}),
     _Flag("--threads", None, "torch threads (default: the cores this process may run on)",
           {"type": int}),
 )
@@ -83,6 +87,6 @@ def engine_config_from_args(a: argparse.Namespace, **overrides) -> EngineConfig:
               block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
               max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
               enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads,
-              enforce_eager=a.enforce_eager)
+              enforce_eager=a.enforce_eager, overlap_scheduling=a.overlap_scheduling)
     kw.update(overrides)
     return EngineConfig(**kw)

@@ -1,6 +1,7 @@
 """gpu_check's serving sections and its verdict (imported by scripts/gpu_check.py).
 
-    decode_step  the engine's steady decode step at batch 64 and 1 (ms), GPU busy share and
+    decode_step  the engine's steady decode step at batch 64 and 1 (ms; overlap scheduling on,
+                 and off for comparison, measured in alternating rounds), GPU busy share and
                  device->host copies per step under the torch profiler, decode graphs'
                  capture time and memory, and a greedy parity glance: graphs vs
                  --enforce-eager
@@ -110,13 +111,24 @@ def _steady_decode(eng, batch: int, prompt_len: int, dry_run: bool):
     eng.trace = []
     for _ in range(100):
         eng.step()
-        if all(n == 1 for _, n in eng.trace[-1].scheduled) and len(eng.trace[-1].scheduled) \
-                == batch:
+        if eng.trace and all(n == 1 for _, n in eng.trace[-1].scheduled) \
+                and len(eng.trace[-1].scheduled) == batch:  # overlap: the trace lags a call
             break
     for _ in range(3):
         eng.step()
     _sync(dry_run)
     return ids
+
+
+def _set_overlap(eng, on: bool) -> None:
+    """Overlap scheduling on or off between steps (the step in flight published first)."""
+    from pdserve.engine.overlap import OverlapStepper
+
+    if on and eng.overlap is None:
+        eng.overlap = OverlapStepper(eng)
+    elif not on and eng.overlap is not None:
+        eng.overlap.drain()
+        eng.overlap = None
 
 
 def _profile(eng, steps: int) -> dict:
@@ -160,11 +172,20 @@ def section_decode_step(res, dry_run: bool) -> None:
     steps = 4 if dry_run else 32
     for batch in (64, 1) if not dry_run else (3, 1):
         ids = _steady_decode(eng, batch, 16 if dry_run else 512, dry_run)
-        t = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        _sync(dry_run)
-        point = {"ms_per_step": round(1e3 * (time.perf_counter() - t) / steps, 3)}
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(1 if dry_run else 3):  # alternating rounds: on, off, on, off, ...
+            for overlap in (True, False):
+                _set_overlap(eng, overlap)
+                eng.step()  # the first step of a mode is not steady
+                _sync(dry_run)
+                t = time.perf_counter()
+                for _ in range(steps):
+                    eng.step()
+                _sync(dry_run)
+                times[overlap].append(1e3 * (time.perf_counter() - t) / steps)
+        _set_overlap(eng, True)
+        point = {"ms_per_step": round(min(times[True]), 3),
+                 "ms_per_step_overlap_off": round(min(times[False]), 3)}
         if not dry_run and batch == 64:
             point["profile"] = _profile(eng, 16)
         res[f"batch{batch}"] = point

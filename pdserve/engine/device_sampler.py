@@ -155,16 +155,26 @@ class SamplingBuffers:
     def fetch(self, packed: torch.Tensor, rows: list[SampleRow]
               ) -> list[tuple[int, TokenLogprobs | None]]:
         """The one device -> host copy of a step's result, decoded per row."""
-        n, width = len(rows), packed.shape[1]
+        return self.decode(self.copy_out(packed, len(rows)), rows)
+
+    def copy_out(self, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """Start the copy of the first n rows to the host and return the host tensor they
+        land in; `decode` waits for it. Valid until the next `copy_out`."""
         if self._copied is None:
-            host = packed[:n]
-        else:
-            # a contiguous view: a strided destination would go through a pageable temporary
-            host = self._host_out.view(-1)[:n * width].view(n, width)
-            host.copy_(packed[:n], non_blocking=True)
-            self._copied.record()
+            return packed[:n]
+        width = packed.shape[1]
+        # a contiguous view: a strided destination would go through a pageable temporary
+        host = self._host_out.view(-1)[:n * width].view(n, width)
+        host.copy_(packed[:n], non_blocking=True)
+        self._copied.record()
+        return host
+
+    def decode(self, host: torch.Tensor, rows: list[SampleRow]
+               ) -> list[tuple[int, TokenLogprobs | None]]:
+        """Wait for `copy_out`'s copy and read each row's token (and logprobs)."""
+        if self._copied is not None:
             self._copied.synchronize()
-        k = (width - 2) // 2
+        k = (host.shape[1] - 2) // 2
         vals = host.tolist()
         out: list[tuple[int, TokenLogprobs | None]] = []
         for row, v in zip(rows, vals):

@@ -6,7 +6,9 @@ runs it, appends sampled tokens, finishes sequences that hit a stop condition an
 their blocks. KV leaves and enters through `kv_connector` (`pdserve.engine.kv_connector`):
 a request added with a `KVSaver` has its prompt's KV saved layer by layer as it is
 computed; `reserve` / `commit_remote_kv` are the connector's bookkeeping for a prompt whose
-KV another worker pushes.
+KV another worker pushes. With overlap scheduling on (`EngineConfig.overlap_scheduling`),
+`step` delegates to `pdserve.engine.overlap`: it schedules and prepares the next step while
+the launched one runs, and returns the deltas of the step before.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from pdserve.engine.llama import LlamaDims, LlamaModel
 from pdserve.engine.model_files import ModelSource, eos_token_ids, load_tokenizer, resolve_model
 from pdserve.engine.model_loader import load_hf_weights
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.overlap import OverlapStepper
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.protocol import SamplingParams, TokenLogprobs
 
@@ -117,10 +120,13 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.trace: list[StepTrace] | None = None  # set to [] to record every step
         self.on_finish: Callable[[Sequence], None] | None = None
+        # step N+1 scheduled and prepared while N runs (pdserve.engine.overlap); None: in turn
+        self.overlap = OverlapStepper(self) if config.overlap_enabled else None
         log.info("engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), attention backend "
-                 "%s, layer ops %s", self.source.name, num_blocks, config.block_size,
-                 num_blocks * self.kv_spec.bytes_per_block_all_layers / 2**20,
-                 self.runner.backend.name, self.runner.model.ops.name)
+                 "%s, layer ops %s, overlap scheduling %s", self.source.name, num_blocks,
+                 config.block_size, num_blocks * self.kv_spec.bytes_per_block_all_layers / 2**20,
+                 self.runner.backend.name, self.runner.model.ops.name,
+                 "on" if self.overlap else "off")
 
     # -- requests ---------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -172,6 +178,8 @@ class LLMEngine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
+        if self.overlap is not None:
+            self.overlap.forget(seq)
         if not seq.is_finished:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self._count_finish(seq)
@@ -203,9 +211,12 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.overlap is not None
+                                             and self.overlap.has_inflight())
 
     def step(self) -> list[SeqDelta]:
+        if self.overlap is not None:
+            return self.overlap.step()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -220,8 +231,14 @@ class LLMEngine:
         if self.trace is not None:  # before finished sequences give their blocks back
             used = sum(s.seq.num_computed_tokens for s in sched.scheduled)
             allocated = sum(len(s.seq.block_table) for s in sched.scheduled) * self.pool.block_size
+        else:
+            used = allocated = 0
         deltas = [self._append_token(s.seq, tok, lp) for s, tok, lp in results]
-        total = time.perf_counter() - t0
+        self._record_step(sched, deltas, forward_s, time.perf_counter() - t0, used, allocated)
+        return deltas
+
+    def _record_step(self, sched: SchedulerOutput, deltas: list[SeqDelta], forward_s: float,
+                     total: float, used: int, allocated: int) -> None:
         c = self.counters
         c.steps += 1
         c.forward_seconds += forward_s
@@ -232,7 +249,6 @@ class LLMEngine:
                 tuple(s.request_id for s in sched.preempted),
                 tuple(d.request_id for d in deltas if d.finished), forward_s, total, used,
                 allocated))
-        return deltas
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> SeqDelta:
         seq.output_token_ids.append(token)

@@ -10,6 +10,14 @@ the result to the host):
   bucket's captured graph (`cuda_graphs`, captured at construction unless enforce_eager),
   elsewhere the same step function runs eagerly;
 - prefill and mixed steps build their tensors per step (`prepare`) and run eagerly.
+
+A step runs in three phases, `prepare_step` (host: inputs and sampling parameters into the
+buffers) -> `launch` (forward + sampler, and the copy of the sampled ids to the host
+started) -> `wait` (the ids read on the host); `run` is the three in a row. The engine's
+overlap mode (`overlap`) prepares step N+1 between N's launch and wait; then some of N+1's
+input tokens are N's outputs, gathered on the device (`PendingInputs`). On CUDA a launch
+only queues work; on the CPU it has finished when it returns, so the same code runs
+synchronously there.
 """
 
 from __future__ import annotations
@@ -61,6 +69,43 @@ class BatchInputs:
     sampling: list[ScheduledSeq]  # rows of logits_indices, in order
 
 
+@dataclass(frozen=True)
+class PendingInputs:
+    """Input tokens of a step that an earlier step samples and the host does not know yet:
+    (flat input row, row of `source`) pairs; `source` is that step's sampler output on the
+    device ([rows, 2 + 2K], token id in column 0)."""
+
+    source: torch.Tensor
+    rows: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step prepared on the host; its inputs are in (or queued to) the device buffers."""
+
+    scheduled: list[ScheduledSeq]
+    sampling: list[ScheduledSeq]  # the sequences that sample, in row order
+    rows: list[SampleRow]
+    flags: SampleFlags
+    bufs: SamplingBuffers
+    batch: BatchInputs | None  # the per-step path; None: the static decode path
+    padded: int  # the static path's bucket
+    lens: list[int]  # the static path's context lengths
+    layer_hook: KVLayerHook | None
+    prepare_s: float
+
+
+@dataclass(frozen=True)
+class StepHandle:
+    """A launched step: its sampler output on the device and the host tensor it is being
+    copied into (None when no sequence samples)."""
+
+    plan: StepPlan
+    packed: torch.Tensor | None
+    host: torch.Tensor | None
+    launch_s: float
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, backend: AttentionBackend,
                  eos_token_ids: tuple[int, ...], max_num_seqs: int = 256,
@@ -83,6 +128,8 @@ class ModelRunner:
             max_num_seqs, -(-self.max_model_len // self.block_size), self.block_size,
             self.device) if self.static_decode else None
         self.graphs: DecodeGraphs | None = None
+        # recorded after a step's host -> device input copies (CUDA)
+        self._inputs_copied = torch.cuda.Event() if on_cuda else None
         if self.static_decode and on_cuda and not enforce_eager:
             if backend.name != "triton":  # the torch store filters slots: not capturable
                 log.warning("decode CUDA graphs need the triton attention backend, not %s: "
@@ -150,60 +197,90 @@ class ModelRunner:
             sampling=sampling,
         )
 
+    # -- a step in three phases: prepare (host), launch (device), wait ----------------------
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], layer_hook: KVLayerHook | None = None
             ) -> list[tuple[ScheduledSeq, int, TokenLogprobs | None]]:
         """Forward the batch; sample a token for every sequence that reached its end."""
+        return self.wait(self.launch(self.prepare_step(scheduled, layer_hook)))
+
+    @torch.inference_mode()
+    def prepare_step(self, scheduled: list[ScheduledSeq], layer_hook: KVLayerHook | None = None,
+                     pending: PendingInputs | None = None) -> StepPlan:
+        """Build the step's inputs and sampling parameters. On CUDA this may run while an
+        earlier launched step still computes: device buffers are written by copies queued
+        behind it, and the input tokens named in `pending` are gathered from that step's
+        sampler output on the device."""
         t0 = time.perf_counter()
-        if (self.decode_bufs is not None and layer_hook is None and is_pure_decode(scheduled)
-                and len(scheduled) <= self.buckets[-1]):
-            return self._run_decode(scheduled, t0)
-        batch = self.prepare(scheduled)
-        t1 = time.perf_counter()
-        hook = None
-        if layer_hook is not None and batch.sampling:
-            sampling = batch.sampling
+        if self._inputs_copied is not None:
+            # the pinned staging rows are rewritten below: the last step's copies must be done
+            self._inputs_copied.synchronize()
+        sampling = [s for s in scheduled if s.samples]
+        rows = self._rows(sampling)
+        static = (self.decode_bufs is not None and layer_hook is None
+                  and is_pure_decode(scheduled) and len(scheduled) <= self.buckets[-1])
+        batch, padded, lens = None, 0, []
+        if static:
+            assert self.decode_bufs is not None
+            padded = bucket_for(len(scheduled), self.buckets)
+            lens = self.decode_bufs.fill(scheduled, padded)
+            input_ids = self.decode_bufs.input_ids
+        else:
+            batch = self.prepare(scheduled)
+            input_ids = batch.input_ids
+        if pending is not None and pending.rows:
+            _gather_pending(input_ids, pending, self.device)
+        bufs = self.sampling
+        if len(rows) > bufs.max_rows:  # more than max_num_seqs: one-off buffers
+            bufs = SamplingBuffers(len(rows), self.sampling.vocab, self.device)
+        flags = bufs.fill(rows, padded or len(rows)) if rows else SampleFlags()
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        return StepPlan(scheduled, sampling, rows, flags, bufs, batch, padded, lens, layer_hook,
+                        time.perf_counter() - t0)
 
-            def hook(layer: int) -> None:
-                layer_hook(layer, sampling)
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> StepHandle:
+        """Run the forward and the sampler and start the copy of the sampled ids to the host.
+        On CUDA this only queues work; on the CPU it has finished when it returns."""
+        t0 = time.perf_counter()
+        packed = host = None
+        if plan.batch is None:  # the static decode path
+            if self.graphs is not None and plan.padded in self.graphs:
+                packed = self.graphs.replay(plan.padded)
+            else:
+                packed = self._decode_step(plan.padded, plan.lens, plan.flags)
+        else:
+            batch, hook = plan.batch, None
+            if plan.layer_hook is not None and plan.sampling:
+                layer_hook, sampling = plan.layer_hook, plan.sampling
 
-        logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, batch.meta,
-                                    self.backend, batch.logits_indices, hook)
-        t2 = time.perf_counter()
+                def hook(layer: int) -> None:
+                    layer_hook(layer, sampling)
+
+            logits = self.model.forward(batch.input_ids, batch.positions, self.kv_cache,
+                                        batch.meta, self.backend, batch.logits_indices, hook)
+            if plan.sampling:
+                packed = sample_on_device(logits, plan.bufs, plan.flags)
+        if packed is not None:
+            host = plan.bufs.copy_out(packed, len(plan.rows))
+        return StepHandle(plan, packed, host, time.perf_counter() - t0)
+
+    def wait(self, handle: StepHandle) -> list[tuple[ScheduledSeq, int, TokenLogprobs | None]]:
+        """The launched step's sampled tokens, one per sampling sequence, in order."""
+        t0 = time.perf_counter()
+        plan = handle.plan
         out = []
-        if batch.sampling:
-            rows = self._rows(batch.sampling)
-            bufs = self.sampling
-            if len(rows) > bufs.max_rows:  # more than max_num_seqs: one-off buffers
-                bufs = SamplingBuffers(len(rows), logits.shape[-1], self.device)
-            flags = bufs.fill(rows, len(rows))
-            results = bufs.fetch(sample_on_device(logits, bufs, flags), rows)
-            out = [(s, tok, lp) for s, (tok, lp) in zip(batch.sampling, results)]
-        self.last_timing = RunTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        if handle.host is not None:
+            results = plan.bufs.decode(handle.host, plan.rows)
+            out = [(s, tok, lp) for s, (tok, lp) in zip(plan.sampling, results)]
+        # forward_s: the forward and the sampler (on CUDA the launches, or the graph replay)
+        self.last_timing = RunTiming(plan.prepare_s, handle.launch_s, time.perf_counter() - t0)
         return out
 
     def _rows(self, scheduled: list[ScheduledSeq]) -> list[SampleRow]:
         return [SampleRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids,
                           self.eos_token_ids) for s in scheduled]
-
-    def _run_decode(self, scheduled: list[ScheduledSeq], t0: float
-                    ) -> list[tuple[ScheduledSeq, int, TokenLogprobs | None]]:
-        """A pure-decode step through the persistent buffers, padded to its bucket."""
-        assert self.decode_bufs is not None
-        padded = bucket_for(len(scheduled), self.buckets)
-        lens = self.decode_bufs.fill(scheduled, padded)
-        rows = self._rows(scheduled)
-        flags = self.sampling.fill(rows, padded)
-        t1 = time.perf_counter()
-        if self.graphs is not None and padded in self.graphs:
-            packed = self.graphs.replay(padded)
-        else:
-            packed = self._decode_step(padded, lens, flags)
-        t2 = time.perf_counter()
-        results = self.sampling.fetch(packed, rows)
-        # forward_s: the forward and the sampler (one graph on CUDA; launches only there)
-        self.last_timing = RunTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
-        return [(s, tok, lp) for s, (tok, lp) in zip(scheduled, results)]
 
     def _decode_step(self, padded: int, seq_lens_cpu: list[int], flags: SampleFlags
                      ) -> torch.Tensor:
@@ -216,3 +293,14 @@ class ModelRunner:
                                     self.kv_cache, meta, self.backend,
                                     bufs.logits_indices[:padded])
         return sample_on_device(logits, self.sampling, flags)
+
+
+def _gather_pending(input_ids: torch.Tensor, pending: PendingInputs, device: torch.device
+                    ) -> None:
+    """input_ids[dst] = the token the earlier step sampled in row src, on the device: the
+    copy is queued behind that step, so the host never waits for it."""
+    dst, src = zip(*pending.rows)
+    dst_t = torch.tensor(dst, dtype=torch.long).to(device, non_blocking=True)
+    src_t = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
+    tokens = pending.source.index_select(0, src_t)[:, 0].to(torch.long)
+    input_ids.index_copy_(0, dst_t, tokens)

@@ -194,9 +194,21 @@ class Scheduler:
 
     def after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Advance computed counts and enter newly full blocks into the prefix cache."""
+        self.advance(scheduled)
+        self.register_computed(scheduled)
+
+    def advance(self, scheduled: list[ScheduledSeq]) -> None:
+        """The step's tokens count as computed (overlap: as soon as it is launched, so the
+        next step is scheduled after it)."""
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            self._register_full_blocks(s.seq)
+
+    def register_computed(self, scheduled: list[ScheduledSeq]) -> None:
+        """Enter blocks the step filled into the prefix cache (overlap: once its results are
+        in, when every token it computed is known). Finished sequences hold no blocks."""
+        for s in scheduled:
+            if not s.seq.is_finished:
+                self._register_full_blocks(s.seq)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         if seq.remote_kv:
