@@ -16,7 +16,13 @@ UNAVAILABLE / no answer in time before anything started) is passed over for the 
 when all refuse, the client gets the last refusal. Once work began, a failure is migration's
 business (gateway/migration.py): a failed prefill fails over to the next prefill worker or
 to colocated; a broken token stream is re-admitted elsewhere from what it already streamed,
-so the client's stream continues and greedy output is unchanged.
+so the client's stream continues and greedy output is unchanged. Each move counts in
+`pdserve:request_migrations_total{reason=prefill_failover|decode_migration}`.
+
+A prefill worker is paired only with decode workers of its KV layout (router.py), and the
+decode_address it is sent, which it dials and pushes KV to, is always a decode worker
+registered here (`_check_destination`): the gateway is the only caller a worker trusts (the
+cluster credential), so it never hands out an address from anywhere else.
 
 Nothing waits without bound (pdserve.deadlines): every unary call runs under
 min(rpc timeout, the request's time left); a token stream that shows nothing — no token, no
@@ -247,6 +253,7 @@ class Orchestrator:
                     raise GatewayError(ErrorKind.UNAVAILABLE, f"gave up after "
                                        f"{trace.migrations} migrations: {e.message}") from None
                 trace.migrations += 1
+                self.metrics.migrated("decode_migration")
                 log.warning("request %s (cluster id %s): %s; migrating (%d of at most %d) "
                             "with %d tokens streamed", req.request_id, req.cluster_id,
                             e.message, trace.migrations, migration.MAX_MIGRATIONS,
@@ -267,7 +274,8 @@ class Orchestrator:
             raise GatewayError(ErrorKind.UNAVAILABLE, "no decode worker is available")
         if again:
             await asyncio.sleep(migration.backoff_s(trace.migrations))
-        prefills = self.registry.alive(Role.PREFILL)
+        # only prefill workers whose KV some decode worker here can take: none, colocated
+        prefills = router.pairable_prefills(self.registry.alive(Role.PREFILL), decodes)
         n = len(req.prompt_token_ids)
         if not resumed and router.disaggregate(n, self.disagg_threshold, len(prefills)):
             chunks = self._disaggregated(req, decodes, prefills, trace)
@@ -418,8 +426,19 @@ class Orchestrator:
         assert last is not None
         raise last
 
+    def _check_destination(self, d: Worker) -> None:
+        """A prefill worker pushes KV to the decode_address this gateway gives it, so that is
+        only ever the address of a decode worker registered here now (the worker's own check
+        is the cluster credential on the call). One that left since it was chosen is a
+        failed attempt like any other."""
+        w = self.registry.get(d.worker_id)
+        if w is None or w.role is not Role.DECODE or w.address != d.address:
+            raise GatewayError(ErrorKind.UNAVAILABLE, f"decode_address: {d.address} is no "
+                               "longer a registered decode worker")
+
     async def _prefill(self, req: GenerationRequest, p: Worker, d: Worker,
                        resv: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillResponse:
+        self._check_destination(d)
         msg = prefill_pb2.PrefillRequest(
             request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
             # max_tokens goes to the decode worker only: prefill samples the first token
@@ -458,7 +477,8 @@ class Orchestrator:
                                                       self.inflight)):
                 req = first if i == 0 else dataclasses.replace(
                     first, cluster_id=f"{first.cluster_id}-p{i}")
-                d, resv = await self._reserve(req, decodes)  # d counts as in flight from here
+                # d counts as in flight from here
+                d, resv = await self._reserve(req, router.decodes_for(p, decodes))
                 trace.decode = d
                 call = None
                 finished = False
@@ -472,6 +492,7 @@ class Orchestrator:
                         code, err = self._error(e, f"prefill worker {p.address}")
                         if not migration.prefill_may_fail_over(code):
                             raise err from None
+                        self.metrics.migrated("prefill_failover")
                         log.warning("request %s (cluster id %s): %s; failing over",
                                     req.request_id, req.cluster_id, err.message)
                         continue  # the finally below cancels the reservation

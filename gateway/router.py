@@ -15,6 +15,11 @@ publish how many prompts they hold (queued or computing), not their tokens, so e
 priced at this prompt's size. So a warm cache wins while queues are even, and a long queue
 outweighs it.
 
+Compatibility: a prefill worker is paired only with decode workers whose KV layout equals
+its own (`kv_compatible`: everything but the pool size, as the prefill worker checks); one
+that no live decode worker can take KV from gets no prompts (`pairable_prefills`), so a
+mixed fleet (say, two --kv-cache-dtype values) serves colocated rather than failing.
+
 Conditional disaggregation: prompts shorter than `disagg_threshold` tokens (and every
 prompt when no prefill worker is up) are served colocated by the decode worker.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pdserve.convert import layouts_match
 from pdserve.engine.block_hash import block_hashes
 from pdserve.gateway.registry import Worker
 from pdserve.protocol import cdiv
@@ -84,6 +90,24 @@ def rank_prefill(workers: Sequence[Worker], prompt_token_ids: Sequence[int],
     cache: dict[int, list[int]] = {}
     return sorted(workers, key=lambda w: (prefill_cost(w, prompt_token_ids, inflight, cache),
                                           w.worker_id))
+
+
+def kv_compatible(prefill: Worker, decode: Worker) -> bool:
+    """Whether KV computed by `prefill` can enter `decode`'s cache. A layout not known yet (a
+    static worker before its first Stats answer) excludes nobody: the prefill worker's own
+    check then refuses a mismatch with FAILED_PRECONDITION."""
+    a, b = prefill.kv_spec, decode.kv_spec
+    return a is None or b is None or layouts_match(a, b)
+
+
+def decodes_for(prefill: Worker, decodes: Sequence[Worker]) -> list[Worker]:
+    """The decode workers `prefill` may push KV to."""
+    return [d for d in decodes if kv_compatible(prefill, d)]
+
+
+def pairable_prefills(prefills: Sequence[Worker], decodes: Sequence[Worker]) -> list[Worker]:
+    """The prefill workers with at least one compatible decode worker among `decodes`."""
+    return [p for p in prefills if any(kv_compatible(p, d) for d in decodes)]
 
 
 def disaggregate(num_prompt_tokens: int, disagg_threshold: int, num_prefill: int) -> bool:

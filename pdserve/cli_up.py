@@ -30,6 +30,16 @@ from pdserve.engine_args import add_engine_args, engine_argv
 
 __all__ = ["register"]
 
+STOP_MARGIN_S = 2.0  # of --grace, for a process to stop once its drain is over
+
+
+def drain_flags(grace_s: float) -> dict[str, tuple[str, ...]]:
+    """Each tier's flags that bound its drain on SIGTERM to fit in `pdserve up`'s grace
+    (the workers' own default, 55 s, is the manifests' and would be cut short here)."""
+    s = f"{max(0.0, grace_s - STOP_MARGIN_S):g}"
+    return {"gateway": ("--grace", s), "prefill": ("--drain-timeout", s),
+            "decode": ("--drain-timeout", s)}
+
 
 def _nonneg_int(text: str) -> int:
     n = int(text)
@@ -78,7 +88,10 @@ def register(subparsers) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
                    help="seconds to wait for every process to be healthy (default 600)")
     p.add_argument("--grace", type=float, default=10.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL on shutdown (default 10)")
+                   help="seconds between SIGTERM and SIGKILL on shutdown (default 10). The "
+                        f"processes are told to finish in-flight requests within S - "
+                        f"{STOP_MARGIN_S:g} (their drain timeout), so the drain ends "
+                        "before the SIGKILL rather than the workers' own 55 s default")
     add_engine_args(p)
     p.set_defaults(func=_cmd_up)
 
@@ -139,12 +152,15 @@ def usable_cores(cpus: str) -> int:
 def _cmd_up(a: argparse.Namespace) -> int:
     try:
         layout = choose_layout(usable_cores(a.cpus), a.prefill, a.decode)
+        drain = drain_flags(a.grace)
         cfg = ClusterConfig(
             model=a.model, num_prefill=layout.num_prefill, num_decode=layout.num_decode,
             http_port=a.http_port,
             grpc_port=a.grpc_port, registry_port=a.registry_port,
             disagg_threshold=a.disagg_threshold,
-            engine_args=tuple(engine_argv(a)), cpus=a.cpus, log_dir=a.log_dir)
+            engine_args=tuple(engine_argv(a)), cpus=a.cpus, log_dir=a.log_dir,
+            gateway_args=drain["gateway"], prefill_args=drain["prefill"],
+            decode_args=drain["decode"])
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ _BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LABELS = ("model_name", "tier", "worker")
+MIGRATION_REASONS = ("prefill_failover", "decode_migration")
 
 
 class TierMetrics:
@@ -76,12 +77,23 @@ class TierMetrics:
         self._mirrored: dict[int, float] = {}  # id(counter) -> total set by set_counter_to
         self._errors = Counter("pdserve:request_errors", "Requests failed, by status code.",
                                (*lb, "code"), registry=r)
+        self._migrations = Counter("pdserve:request_migrations",
+                                   "Requests moved to another worker after a failure, by "
+                                   "move: prefill_failover (another prefill worker, or "
+                                   "colocated), decode_migration (a broken token stream "
+                                   "re-admitted elsewhere).", (*lb, "reason"), registry=r)
+        for reason in MIGRATION_REASONS:  # exposed at 0 before the first move
+            self._migrations.labels(**self.labels, reason=reason)
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(**self.labels, finished_reason=finished_reason).inc()
 
     def error(self, code: str) -> None:
         self._errors.labels(**self.labels, code=code).inc()
+
+    def migrated(self, reason: str) -> None:
+        assert reason in MIGRATION_REASONS, reason
+        self._migrations.labels(**self.labels, reason=reason).inc()
 
     def set_counter_to(self, counter: Counter, value: float) -> None:
         """Move a counter up to an absolute total read from engine stats (never down). The

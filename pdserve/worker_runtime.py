@@ -80,7 +80,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_credential_args(p)
     g.add_argument("--rpc-timeout", type=float, default=DEFAULT_RPC_TIMEOUT_S, metavar="S",
                    help="deadline of this worker's own calls: a KV push from open to ack, "
-                        f"registration (default {DEFAULT_RPC_TIMEOUT_S:g})")
+                        f"registration and deregistration; a heartbeat's is at most the heartbeat "
+                        f"interval (default {DEFAULT_RPC_TIMEOUT_S:g})")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
                    help="on SIGTERM: NOT_SERVING, deregister, then let in-flight requests "
                         "finish for up to S seconds before stopping (default "
@@ -208,11 +209,16 @@ class GatewayRegistration:
     (wrong credential, incompatible fingerprint, id bound elsewhere) is logged as an error
     each time its reason changes, and retried: the gateway may be the one to change. A
     worker holds one per gateway, each with its own channel and task, so one gateway's
-    failure never delays another's heartbeats."""
+    failure never delays another's heartbeats.
+
+    Every call runs under the worker's rpc timeout (`--rpc-timeout`); a heartbeat under the
+    heartbeat interval where that is shorter: one still unanswered when the next is due is
+    late already, and waiting longer would only delay the next."""
 
     def __init__(self, gateway: str, info: Callable[[], gateway_pb2.WorkerInfo],
                  load: Callable[[], common_pb2.WorkerLoad], interval_s: float,
                  credentials: ClusterCredentials = ClusterCredentials(),
+                 rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
                  serving: Callable[[], bool] = lambda: True,
                  role: Callable[[], int] = lambda: 0) -> None:
         self.gateway = gateway
@@ -222,6 +228,7 @@ class GatewayRegistration:
         self.info = info
         self.load = load
         self.interval_s = interval_s
+        self.rpc_timeout_s = rpc_timeout_s
         self._task: asyncio.Task | None = None
         self._channel = rpc.aio_channel(gateway, credentials)
         self._stub = gateway_pb2_grpc.WorkerRegistryStub(self._channel)
@@ -242,6 +249,10 @@ class GatewayRegistration:
             pass
         self._wake.clear()
 
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return min(self.rpc_timeout_s, self.interval_s)
+
     async def _run(self) -> None:
         known = False
         registered_role = None
@@ -250,13 +261,14 @@ class GatewayRegistration:
                 if not self.serving():
                     if known:
                         await self._stub.Deregister(gateway_pb2.DeregisterRequest(
-                            worker_id=self.info().worker_id), timeout=5)
+                            worker_id=self.info().worker_id), timeout=self.rpc_timeout_s)
                         log.warning("not serving: deregistered from gateway %s", self.gateway)
                     known = False
                 elif not known or self.role() != registered_role:
                     registered_role = self.role()
                     resp = await self._stub.RegisterWorker(
-                        gateway_pb2.RegisterWorkerRequest(worker=self.info()), timeout=5)
+                        gateway_pb2.RegisterWorkerRequest(worker=self.info()),
+                        timeout=self.rpc_timeout_s)
                     if resp.heartbeat_interval_s > 0:
                         self.interval_s = min(self.interval_s, resp.heartbeat_interval_s)
                     known = True
@@ -264,7 +276,8 @@ class GatewayRegistration:
                     log.info("registered with gateway %s", self.gateway)
                 else:
                     resp = await self._stub.Heartbeat(gateway_pb2.HeartbeatRequest(
-                        worker_id=self.info().worker_id, load=self.load()), timeout=5)
+                        worker_id=self.info().worker_id, load=self.load()),
+                        timeout=self.heartbeat_timeout_s)
                     known = resp.known
             except grpc.aio.AioRpcError as e:
                 if known:
@@ -287,7 +300,10 @@ class GatewayRegistration:
                 pass
         try:
             await self._stub.Deregister(
-                gateway_pb2.DeregisterRequest(worker_id=self.info().worker_id), timeout=2)
+                # as short as a heartbeat: at shutdown, an unreachable gateway must not
+                # hold the stop; it expires this worker anyway
+                gateway_pb2.DeregisterRequest(worker_id=self.info().worker_id),
+                timeout=self.heartbeat_timeout_s)
         except grpc.aio.AioRpcError:
             pass
         await self._channel.close()
@@ -367,7 +383,7 @@ class WorkerBase:
         self._probe_task = asyncio.get_running_loop().create_task(self._watch_engine())
         self.registrations = [
             GatewayRegistration(gw, self.worker_info, self.load, cfg.heartbeat_interval_s,
-                                cfg.credentials, serving=self.routable,
+                                cfg.credentials, cfg.rpc_timeout_s, serving=self.routable,
                                 role=lambda: self.role_proto)
             for gw in cfg.gateways]
         for r in self.registrations:

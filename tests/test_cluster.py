@@ -124,7 +124,8 @@ FAKE_TIER = textwrap.dedent('''
     def main(tier):
         p = argparse.ArgumentParser()
         for f in ("--model", "--host", "--gateway", "--worker-id", "--metrics-port",
-                  "--threads", "--kv-cache-memory", "--disagg-threshold"):
+                  "--threads", "--kv-cache-memory", "--disagg-threshold", "--grace",
+                  "--drain-timeout"):
             p.add_argument(f)
         for f in ("--port", "--grpc-port", "--http-port", "--registry-port"):
             p.add_argument(f, type=int)
@@ -314,7 +315,8 @@ def _pids_in(banner: str) -> list[int]:
 def test_pdserve_up_sigterm_stops_everything_and_exits_0(fakes):
     env = {"PYTHONPATH": str(fakes), "FAKE_OUT": str(fakes / "out")}
     proc, banner = _run_up(fakes, env, "--http-port", "0", "--grpc-port", "0",
-                           "--prefill", "1", "--decode", "2", "--log-dir", str(fakes / "logs"))
+                           "--prefill", "1", "--decode", "2", "--log-dir", str(fakes / "logs"),
+                           "--grace", "12")
     try:
         assert "curl -s http://127.0.0.1:" in banner and "/v1/chat/completions" in banner, (
             banner + proc.stderr.read() if proc.poll() is not None else banner)
@@ -330,6 +332,11 @@ def test_pdserve_up_sigterm_stops_everything_and_exits_0(fakes):
             proc.wait()
     assert all(_gone(p) for p in pids)
     assert "stopped" in proc.stderr.read()
+    # each process drains within the grace, less the margin to stop (not the workers' 55 s)
+    for name, flag in (("gateway", "--grace"), ("prefill-0", "--drain-timeout"),
+                       ("decode-0", "--drain-timeout"), ("decode-1", "--drain-timeout")):
+        argv = _recorded(fakes, name)["argv"]
+        assert argv[argv.index(flag) + 1] == "10", (name, argv)
 
 
 # ---------------------------------------------------------------------------- the real cluster

@@ -1,6 +1,7 @@
 """The gateway with workers coming and going: overload (429 / RESOURCE_EXHAUSTED while every
 accepted request completes), a decode worker registered at runtime, a crashed one dropped
-within the heartbeat timeout, static worker addresses, and the real SmolLM2 once."""
+within the heartbeat timeout, static worker addresses, prefill paired only with decode
+workers of its KV layout, and the real SmolLM2 once."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import aiohttp
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_support import Cluster
 
 from pdserve.client import PdserveClient
@@ -134,6 +136,43 @@ def test_real_smollm2_chat_matches_the_engine(tmp_path):
         assert r.choices[0].message.content == eng.tokenizer.decode(
             ref.token_ids, skip_special_tokens=True)
         assert r.usage.prompt_tokens == len(ids)
+        c.assert_no_leaks()
+    finally:
+        c.close()
+
+
+def test_prefill_pairs_only_with_decode_workers_of_its_kv_layout(tiny_model_dir):
+    """A prefill worker whose KV dtype no decode worker shares gets no prompts: long prompts
+    run colocated (not FAILED_PRECONDITION at Prefill); a compatible prefill worker added
+    later gets them, the incompatible one still none."""
+    c = Cluster(tiny_model_dir, disagg_threshold=8)
+    try:
+        c.add_worker("decode", kv_cache_dtype="float32")
+        bf16 = c.add_worker("prefill", kv_cache_dtype="bfloat16")
+        prompt = list(range(100, 140))  # 40 tokens: disaggregated when a pair exists
+
+        async def one() -> tuple[int, ...]:
+            async with PdserveClient(c.gateway.grpc_address) as cl:
+                return tuple([t async for ch in cl.generate(token_ids=prompt, max_tokens=4,
+                                                            temperature=0, ignore_eos=True)
+                              for t in ch.token_ids])
+
+        def failovers() -> float:
+            text = c.gateway.orchestrator.metrics.exposition().decode()
+            return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
+                       if x.name == "pdserve:request_migrations_total"
+                       and x.labels["reason"] == "prefill_failover")
+
+        colocated = c.lt.run(one())
+        assert len(colocated) == 4
+        # never sent there: no Prefill refused with FAILED_PRECONDITION and failed over
+        assert failovers() == 0
+        assert bf16.engine.counters.prompt_tokens == 0
+        f32 = c.add_worker("prefill", kv_cache_dtype="float32")
+        assert c.lt.run(one()) == colocated  # same output, now disaggregated
+        assert f32.engine.counters.prompt_tokens == len(prompt)
+        assert bf16.engine.counters.prompt_tokens == 0
+        assert failovers() == 0
         c.assert_no_leaks()
     finally:
         c.close()

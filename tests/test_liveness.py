@@ -3,7 +3,8 @@ up other requests, a full prefill queue answers RESOURCE_EXHAUSTED, an engine fa
 INTERNAL / 500 and NOT_SERVING until the engine recovers, the gateway says SERVING only once
 a request can be routed, a SIGSTOPped decode worker gives a clear status (not a hang) and
 serves again after SIGCONT, a SIGKILLed child of a local cluster is restarted, and a cluster
-restarts at once on the ports it just released."""
+restarts at once on the ports it just released, and registration calls carry the worker's
+rpc timeout (a heartbeat at most its interval)."""
 
 from __future__ import annotations
 
@@ -341,3 +342,51 @@ def test_cluster_starts_again_at_once_on_the_same_ports(fakes):  # noqa: F811
         assert e2.http_url == e.http_url and e2.grpc_address == e.grpc_address
     finally:
         again.stop(grace=5)
+
+
+def test_registration_calls_run_under_the_rpc_timeout_and_heartbeats_under_the_interval():
+    """What a worker's registration calls allow the registry: the configured rpc timeout
+    (not a fixed 5 s), a heartbeat and the shutdown's Deregister at most one interval."""
+    from pdserve.protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+    from pdserve.worker_runtime import GatewayRegistration
+
+    seen: dict[str, list[float]] = {}
+
+    class Registry(gateway_pb2_grpc.WorkerRegistryServicer):
+        def _note(self, name, context):
+            seen.setdefault(name, []).append(context.time_remaining())
+
+        async def RegisterWorker(self, request, context):
+            self._note("register", context)
+            return gateway_pb2.RegisterWorkerResponse()
+
+        async def Heartbeat(self, request, context):
+            self._note("heartbeat", context)
+            return gateway_pb2.HeartbeatResponse(known=True)
+
+        async def Deregister(self, request, context):
+            self._note("deregister", context)
+            return gateway_pb2.DeregisterResponse()
+
+    async def main():
+        server = grpc.aio.server()
+        gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(Registry(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        reg = GatewayRegistration(
+            f"127.0.0.1:{port}", lambda: gateway_pb2.WorkerInfo(worker_id="w"),
+            common_pb2.WorkerLoad, interval_s=0.2, rpc_timeout_s=7.0)
+        reg.start()
+        try:
+            async with asyncio.timeout(60):
+                while len(seen.get("heartbeat", ())) < 2:
+                    await asyncio.sleep(0.05)
+        finally:
+            await reg.stop()
+            await server.stop(None)
+
+    asyncio.run(main())
+    # the deadline crosses the wire rounded up a little: 0.3 allows that, far below 7
+    assert len(seen["register"]) == 1 and 1.0 < seen["register"][0] <= 7.1, seen
+    assert all(0 < t <= 0.3 for t in seen["heartbeat"]), seen["heartbeat"]
+    assert len(seen["deregister"]) == 1 and 0 < seen["deregister"][0] <= 0.3, seen
