@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import sys
@@ -57,6 +58,7 @@ from pdserve.kvtransfer.shm_sender import ShmKVTransport
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+_push_ids = itertools.count()  # request ids stay distinct when a run measures twice
 BANDWIDTH_DEFINITION = (
     "KV payload bytes (K+V of every layer and block) / seconds from open() to the commit "
     "ack, tensors ready before the clock starts; sender pinned to the prefill worker's "
@@ -110,7 +112,7 @@ class _Push:
 async def _push_once(d, decode_addr: str, decode_pid: int, transport: ShmKVTransport,
                      n_tokens: int, salt: int, kv_cache: dict) -> _Push:
     """Pushes a whole reservation of a distinct prompt."""
-    rid = f"bw-{transport.mode}-{n_tokens}-{salt}"
+    rid = f"bw-{transport.mode}-{n_tokens}-{salt}-{next(_push_ids)}"
     res = await _reserve(d, _prompt(n_tokens, salt), rid, max_tokens=1)
     spec: KVCacheSpec = kv_spec_from_proto(res.kv_spec)
     n = res.num_blocks
