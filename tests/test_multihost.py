@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_engine
-from netns import Topology, unavailable
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.netns import Topology, unavailable
 
 GRPC_PORT, HTTP_PORT, REGISTRY_PORT = 50051, 8000, 50052  # gateways; ports per namespace
 WORKER_PORT, METRICS_PORT = 50061, 9100
