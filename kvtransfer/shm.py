@@ -67,7 +67,6 @@ SEGMENT_PREFIX = "pdserve-kv-"
 _NAME = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]{16}")
 _ROUND_BYTES = 1 << 20  # segment sizes are rounded up to this, so they fit other prompts
 DEFAULT_POOL_BYTES = 2 << 30
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in lazily
 
 
 def kv_bytes(spec: KVCacheSpec, num_blocks: int) -> int:
@@ -133,11 +132,13 @@ class ShmSegment:
 
     @classmethod
     def open(cls, name: str, size: int, directory: Path = SHM_DIR) -> ShmSegment:
-        """Maps an existing segment, its page table filled at once (MAP_POPULATE): faulting
-        in a 100 MB segment's pages one by one as the first copy touches them cost more
-        than the copy itself (measured ~0.5 GB/s against ~1-1.5 with populate, 2-core
-        machine). Raises ValueError for a name that is not a segment's or a size that
-        differs from the file's, OSError when it does not open."""
+        """Maps an existing segment. Raises ValueError for a name that is not a segment's
+        or a size that differs from the file's, OSError when it does not open.
+
+        The pages fault in as the first copy touches them, which costs more than the copy
+        itself (100 MB: ~0.5 GB/s copying into a fresh mapping, ~1-1.5 into one whose
+        page table is filled), hence senders keep their mappings. MAP_POPULATE would
+        move that cost into this call, which runs on the prefill worker's event loop."""
         if not _NAME.fullmatch(name):
             raise ValueError(f"segment: {name!r} is not a pdserve KV segment name")
         fd = os.open(directory / name, os.O_RDWR | os.O_NOFOLLOW)
@@ -145,7 +146,7 @@ class ShmSegment:
             st = os.fstat(fd)
             if st.st_size != size:
                 raise ValueError(f"segment: {name} has {st.st_size} bytes, the offer says {size}")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+            mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         return cls(name, size, mm, directory, st.st_ino)

@@ -16,8 +16,8 @@ Choosing, per transfer, at `open` (`mode`, the workers' `--kv-transport`):
 
 Mappings: the sender maps an offered segment at open and keeps the mapping after its
 stream ends, because the decode worker's pool hands the same segment to its next
-reservation after a clean commit, and mapping it again (filling the page table of ~100 MB
-for a 4k-token prompt) costs as much as copying the KV into it. A kept mapping is reused
+reservation after a clean commit, and a fresh mapping's page faults (~100 MB for a 4k-token
+prompt) cost more than copying the KV into it. A kept mapping is reused
 only while its file is the one the offer names (same inode); at every open the mappings
 whose files the decode worker has dropped are closed, and those beyond
 `max_mapped_bytes` (least recently used first). It never creates or unlinks a segment.

@@ -1,5 +1,6 @@
-"""Hosts for multi-host tests: Linux network namespaces joined by a bridge, one namespace
-per process, each with its own address, and the processes started inside them.
+"""Hosts for multi-host tests and `pdserve.bench.netns`: Linux network namespaces joined by a
+bridge, one namespace per process, each with its own address, and the processes started
+inside them.
 
     bridge namespace <prefix>-br:  br0 ── v0 ─┐ ── v1 ─┐ ...   (no address, no route out)
                                               │        │
