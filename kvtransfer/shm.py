@@ -15,8 +15,9 @@ Life cycle of a segment:
                             (`pdserve-kv-<pid>-<random>`, created and mapped by the decode
                             worker); its name and size go back in ReserveResponse.shm
     Prefill (prefill)       `ShmSegment.open`: the sender maps it when the host ids match
-                            and it opens (gRPC payloads otherwise); it unmaps it when its
-                            stream ends and never unlinks it
+                            and it opens (gRPC payloads otherwise), and keeps the mapping
+                            for the next transfer the pool hands the same segment (see
+                            `pdserve.kvtransfer.shm_sender`); it never unlinks one
     commit acked (decode)   `finish(clean=True)`: the engine has copied every chunk (its
                             commit runs after the writes), and the sender wrote its last
                             byte before it sent the commit: the segment goes back to the
@@ -106,10 +107,12 @@ class ShmSegment:
     Closing drops this object's mapping when nothing else views it; otherwise the last
     view to go unmaps it (a mapping with live views cannot be closed)."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, directory: Path) -> None:
+    def __init__(self, name: str, size: int, mm: mmap.mmap, directory: Path,
+                 inode: int = 0) -> None:
         self.name = name
         self.size = size
         self.path = directory / name
+        self.inode = inode  # of the file mapped: tells a reused name from a new file
         self._mm: mmap.mmap | None = mm
         self.view = memoryview(mm)
 
@@ -130,18 +133,30 @@ class ShmSegment:
     @classmethod
     def open(cls, name: str, size: int, directory: Path = SHM_DIR) -> ShmSegment:
         """Maps an existing segment. Raises ValueError for a name that is not a segment's
-        or a size that differs from the file's, OSError when it does not open."""
+        or a size that differs from the file's, OSError when it does not open.
+
+        The pages fault in as the first copy touches them, which costs more than the copy
+        itself (100 MB: ~0.5 GB/s copying into a fresh mapping, ~1-1.5 into one whose
+        page table is filled), hence senders keep their mappings. MAP_POPULATE would
+        move that cost into this call, which runs on the prefill worker's event loop."""
         if not _NAME.fullmatch(name):
             raise ValueError(f"segment: {name!r} is not a pdserve KV segment name")
         fd = os.open(directory / name, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                raise ValueError(f"segment: {name} has {actual} bytes, the offer says {size}")
+            st = os.fstat(fd)
+            if st.st_size != size:
+                raise ValueError(f"segment: {name} has {st.st_size} bytes, the offer says {size}")
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        return cls(name, size, mm, directory)
+        return cls(name, size, mm, directory, st.st_ino)
+
+    def is_current(self) -> bool:
+        """Its file still exists under its name: the decode worker has not dropped it."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
 
     def unlink(self) -> None:
         try:

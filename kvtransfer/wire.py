@@ -44,6 +44,8 @@ from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.protos.pdserve.v1 import common_pb2, kvtransfer_pb2
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
+# copy-then-checksum granule of the shared-memory encoder: well inside a core's L2
+_CACHED_PIECE_BYTES = 256 << 10
 
 # protobuf keys (field number << 3 | wire type 2, length-delimited) of the two fields the
 # fast paths write and look for: KVMessage.chunk and KVChunk.payload
@@ -107,9 +109,10 @@ def blocks_per_chunk(block_bytes: int, max_chunk_bytes: int) -> int:
 
 def _layer_parts(
     reservation_id: str, layer: int, block_indices: Sequence[int], k: torch.Tensor,
-    v: torch.Tensor, first_seq: int, max_chunk_bytes: int,
+    v: torch.Tensor, first_seq: int, max_chunk_bytes: int, checksum: bool = True,
 ) -> Iterator[tuple[kvtransfer_pb2.KVChunk, memoryview, memoryview]]:
-    """(header with crc32c but no payload, K bytes, V bytes) of each chunk of one layer."""
+    """(header with crc32c but no payload, K bytes, V bytes) of each chunk of one layer;
+    crc32c left 0 when not `checksum` (the caller computes it)."""
     if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(
             f"k and v must be 4-D of equal shape and dtype, got {tuple(k.shape)} {k.dtype} "
@@ -134,7 +137,7 @@ def _layer_parts(
             dtype=dtype,
             shape=[end - start, *k.shape[1:]],
             seq=first_seq + i,
-            crc32c=crc32c(v_bytes, crc32c(k_bytes)),  # = CRC-32C of K then V
+            crc32c=crc32c(v_bytes, crc32c(k_bytes)) if checksum else 0,  # of K then V
         )
         yield header, k_bytes, v_bytes
 
@@ -210,16 +213,26 @@ def encode_layer_descriptors(
     """The chunks of `encode_layer` for the shared-memory transport: each payload is
     copied into `segment` (packed from `offset`, chunk after chunk) and the message carries
     its descriptor (`KVChunk.shm`: offset, length) instead of the payload. Header and
-    CRC-32C are those of `encode_layer`. Raises ValueError when the segment is too small."""
+    CRC-32C are those of `encode_layer`. Raises ValueError when the segment is too small.
+
+    The CRC-32C is taken of the bytes just written, a piece at a time while they are still
+    in the CPU cache, rather than in a pass of its own over the tensors: one trip through
+    memory instead of two."""
     for header, k_bytes, v_bytes in _layer_parts(
-        reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes
+        reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes,
+        checksum=False,
     ):
-        mid = offset + k_bytes.nbytes
-        end = mid + v_bytes.nbytes
+        end = offset + k_bytes.nbytes + v_bytes.nbytes
         if end > segment.nbytes:
             raise ValueError(f"shm segment of {segment.nbytes} bytes is full at {offset}")
-        segment[offset:mid] = k_bytes
-        segment[mid:end] = v_bytes
+        crc, at = 0, offset
+        for part in (k_bytes, v_bytes):
+            for start in range(0, part.nbytes, _CACHED_PIECE_BYTES):
+                piece = part[start:start + _CACHED_PIECE_BYTES]
+                segment[at:at + piece.nbytes] = piece
+                crc = crc32c(segment[at:at + piece.nbytes], crc)
+                at += piece.nbytes
+        header.crc32c = crc
         header.shm.offset = offset
         header.shm.length = end - offset
         yield EncodedChunk(kvtransfer_pb2.KVMessage(chunk=header).SerializeToString(),

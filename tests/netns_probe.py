@@ -8,6 +8,11 @@ Commands ({"op": ..., ...}) and answers ({"ok": ...} or {"error": "..."}):
             that many workers of each tier (retries while the gateway is not up yet)
   generate  gateway, prompts (token id lists), max_tokens -> per prompt, the greedy token
             ids, or the gRPC status name it ended with
+  generate_cut  gateway, prompt, max_tokens, after_tokens, cuts ([stats address, argv] per
+            decode worker) -> {"result": token ids or status name, "cut": [indices],
+            "seconds": wall time}: streams one greedy request and, once `after_tokens`
+            tokens arrived, runs the argv of every decode worker that holds KV blocks
+            then (the one serving the request); all of them when `cut_all`
   stats     address, role ("prefill" | "decode") -> [free_blocks, total_blocks]
   http      url -> the body of a GET
 """
@@ -61,6 +66,31 @@ async def generate(gateway: str, prompts: list[list[int]], max_tokens: int) -> l
         return list(await asyncio.gather(*(_one(c, p, max_tokens) for p in prompts)))
 
 
+async def generate_cut(gateway: str, prompt: list[int], max_tokens: int, after_tokens: int,
+                       cuts: list[list], cut_all: bool = False) -> dict:
+    t0 = time.monotonic()
+    out: list[int] = []
+    cut: list[int] = []
+    result: list[int] | str = out
+    async with PdserveClient(gateway) as c:
+        try:
+            async for chunk in c.generate(token_ids=prompt, max_tokens=max_tokens,
+                                          temperature=0, ignore_eos=True, timeout=30):
+                out.extend(chunk.token_ids)
+                if not cut and len(out) >= after_tokens:
+                    for i, (addr, _) in enumerate(cuts):
+                        free, total = await stats(addr, "decode")
+                        if cut_all or free < total:
+                            cut.append(i)
+                    assert cut, "no decode worker holds the request's blocks"
+                    for i in cut:
+                        p = await asyncio.create_subprocess_exec(*cuts[i][1])
+                        assert await p.wait() == 0, f"{cuts[i][1]} failed"
+        except grpc.aio.AioRpcError as e:
+            result = e.code().name
+    return {"result": result, "cut": cut, "seconds": time.monotonic() - t0}
+
+
 async def stats(address: str, role: str) -> list[int]:
     token = os.environ["PDSERVE_CLUSTER_TOKEN"]
     async with grpc.aio.insecure_channel(address) as ch:
@@ -78,7 +108,8 @@ async def http(url: str) -> str:
     return await asyncio.to_thread(get)
 
 
-OPS = {"ready": ready, "generate": generate, "stats": stats, "http": http}
+OPS = {"ready": ready, "generate": generate, "generate_cut": generate_cut, "stats": stats,
+       "http": http}
 
 
 def main() -> None:

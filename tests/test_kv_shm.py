@@ -154,6 +154,54 @@ def test_shm_push_round_trip_and_segment_reuse(receiver: Receiver, pool: ShmSegm
     assert sink.num_free_blocks == SPEC.num_blocks
 
 
+def _push_layers(stream, n: int, seed: int) -> None:
+    for layer in range(SPEC.num_layers):
+        k, v = _blocks(n, seed=seed + layer)
+        stream.push_layer(layer, range(n), k, v)
+
+
+def test_sender_keeps_mappings_while_their_files_live(receiver: Receiver,
+                                                      pool: ShmSegmentPool) -> None:
+    t = _transport()
+    sink = receiver.sink
+    try:
+        # a clean commit: the pool reuses the segment and the sender its mapping of it
+        mapped = []
+        for round_ in range(2):
+            rid, offer = _reserve(receiver, pool, 2)
+            stream = t.open(receiver.address, rid, SPEC, shm=offer)
+            _push_layers(stream, 2, seed=round_)
+            stream.commit(KVCommitInfo(num_prompt_tokens=7, first_token_id=5))
+            mapped.append(t._mapped[offer.segment])
+            sink.release(rid)
+        assert mapped[0] is mapped[1] and t.num_mapped == 1
+        # an aborted push: the decode worker unlinks its segment, and the sender's next open
+        # closes its mapping of it instead of keeping a dead file's pages alive
+        rid, dropped = _reserve(receiver, pool, 2)
+        t.open(receiver.address, rid, SPEC, shm=dropped).abort("test")
+        _wait_for(lambda: pool.num_in_use == 0)
+        assert dropped.segment not in pool.segment_names()
+        rid, fresh = _reserve(receiver, pool, 2)
+        stream = t.open(receiver.address, rid, SPEC, shm=fresh)
+        assert list(t._mapped) == [fresh.segment]
+        # over max_mapped_bytes the least recent mapping is closed, even under a live
+        # stream, which keeps writing through its own view and commits
+        t.max_mapped_bytes = fresh.size
+        rid2, other = _reserve(receiver, pool, 2)
+        stream2 = t.open(receiver.address, rid2, SPEC, shm=other)
+        assert list(t._mapped) == [other.segment]
+        for s, seed in ((stream, 10), (stream2, 20)):
+            _push_layers(s, 2, seed)
+            s.commit(KVCommitInfo(num_prompt_tokens=7, first_token_id=5))
+        for r in (rid, rid2):
+            assert r in sink.commits
+            sink.release(r)
+    finally:
+        t.close()
+    assert t.num_mapped == 0
+    assert sink.num_free_blocks == SPEC.num_blocks
+
+
 def test_descriptors_carry_no_payload(pool: ShmSegmentPool) -> None:
     offer = pool.offer("r", RESERVATION_BYTES)
     seg, messages = _descriptor_messages("r", offer, 1, range(1))

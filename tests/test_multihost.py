@@ -1,5 +1,5 @@
-"""Each tier as its own host: two gateways, a prefill worker and a decode worker, each in its
-own network namespace with its own address on one bridge (tests/netns.py), started with
+"""Each tier as its own host: two gateways, a prefill worker and two decode workers, each in
+its own network namespace with its own address on one bridge (tests/netns.py), started with
 `pdserve gateway | prefill | decode`; the test client runs in a fifth namespace
 (tests/netns_probe.py). Nothing binds to 127.0.0.1 and no packet leaves the namespaces.
 
@@ -8,9 +8,15 @@ request (KV crosses the bridge from prefill to decode), gw-b runs every request 
 on the decode worker. Both workers register and heartbeat with both (`--gateway A,B`), so
 the same greedy output from either is also disaggregated-equals-colocated parity.
 
+A link pulled mid-request (the host's port on the bridge set down while gw-a streams its
+tokens) ends in decode migration onto the decode worker still reachable, with the same
+greedy output; with both decode links down it ends in UNAVAILABLE within the client's
+deadline. Once the links are back the workers re-register and serve, pools clean.
+
 Without root the namespace tests skip; the loopback test of independent registrations
-runs anywhere. Pending, not stubbed: `test_link_down_mid_transfer_migrates` (`ip link set
-eth0 down` on the prefill host while its KV streams), which needs request migration.
+runs anywhere. Not covered: a link cut while the KV itself crosses the bridge (with the tiny
+model a push takes milliseconds, so no cut lands inside it reliably; prefill failover is
+covered on loopback by tests/test_migration.py).
 """
 
 from __future__ import annotations
@@ -25,15 +31,20 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_engine
-from netns import Topology, unavailable
 
+from pdserve.netns import Topology, unavailable
 from pdserve.protocol import SamplingParams
 
 GRPC_PORT, HTTP_PORT, REGISTRY_PORT = 50051, 8000, 50052  # gateways; ports per namespace
 WORKER_PORT, METRICS_PORT = 50061, 9100
 HEARTBEAT_TIMEOUT_S = 3.0  # 10 heartbeats; under the 5 s deadline of a call that hangs
 MAX_TOKENS = 12
-NAMES = ("gw-a", "gw-b", "prefill", "decode", "client")
+# gw-a's bound on a silent token stream: how long a pulled link goes unnoticed (heartbeats
+# notice it after HEARTBEAT_TIMEOUT_S too); well under the probe's 30 s client deadline
+STREAM_IDLE_S = 4.0
+LONG_TOKENS = 500  # a stream that is still running when its link goes down
+DECODERS = ("decode", "decode-b")
+NAMES = ("gw-a", "gw-b", "prefill", *DECODERS, "client")
 
 
 def _prompts() -> list[list[int]]:
@@ -66,6 +77,19 @@ class Hosts:
         self.procs: dict[str, subprocess.Popen] = {}
         self.probe: Probe | None = None
 
+    def wait_ready(self, gateways: tuple[str, ...], timeout: float = 120.0) -> None:
+        end = time.monotonic() + timeout
+        for gw in gateways:
+            while True:
+                self.check_alive()
+                try:
+                    self.probe("ready", gateway=self.grpc(gw), prefill=1,
+                               decode=len(DECODERS), timeout=3)
+                    break
+                except AssertionError:
+                    if time.monotonic() > end:
+                        raise
+
     def grpc(self, name: str) -> str:
         port = GRPC_PORT if name.startswith("gw") else WORKER_PORT
         return f"{self.topo.address(name)}:{port}"
@@ -77,33 +101,26 @@ class Hosts:
         for name, p in self.procs.items():
             assert p.poll() is None, f"{name} exited {p.returncode}:\n{self.log(name)[-3000:]}"
 
-    def wait_ready(self, gateways: tuple[str, ...], timeout: float = 120.0) -> None:
-        end = time.monotonic() + timeout
-        for gw in gateways:
-            while True:
-                self.check_alive()
-                try:
-                    self.probe("ready", gateway=self.grpc(gw), prefill=1, decode=1, timeout=3)
-                    break
-                except AssertionError:
-                    if time.monotonic() > end:
-                        raise
-
     def kv_received_bytes(self) -> float:
-        text = self.probe("http", url=f"http://{self.topo.address('decode')}:{METRICS_PORT}"
-                                      "/metrics")
-        m = re.search(r"^pdserve:kv_received_bytes_total\{[^}]*\} (\S+)$", text, re.M)
-        assert m, "the decode worker exports no pdserve:kv_received_bytes_total"
-        return float(m.group(1))
+        """KV bytes received by every decode worker together."""
+        total = 0.0
+        for name in DECODERS:
+            text = self.probe("http", url=f"http://{self.topo.address(name)}:{METRICS_PORT}"
+                                          "/metrics")
+            m = re.search(r"^pdserve:kv_received_bytes_total\{[^}]*\} (\S+)$", text, re.M)
+            assert m, f"{name} exports no pdserve:kv_received_bytes_total"
+            total += float(m.group(1))
+        return total
 
     def assert_pools_clean(self, timeout: float = 10.0) -> None:
         end = time.monotonic() + timeout
-        for role in ("prefill", "decode"):
+        for name in ("prefill", *DECODERS):
+            role = "prefill" if name == "prefill" else "decode"
             while True:
-                free, total = self.probe("stats", address=self.grpc(role), role=role)
+                free, total = self.probe("stats", address=self.grpc(name), role=role)
                 if free == total:
                     break
-                assert time.monotonic() < end, f"{role}: {total - free} KV blocks still held"
+                assert time.monotonic() < end, f"{name}: {total - free} KV blocks still held"
                 time.sleep(0.1)
 
 
@@ -116,15 +133,16 @@ def _start(topo: Topology, log_dir: Path, model_dir: str) -> Hosts:
             *cli, "gateway", "--model", model_dir, "--host", topo.address(gw),
             "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
             "--registry-port", str(REGISTRY_PORT), "--disagg-threshold", str(threshold),
-            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)], log_dir / f"{gw}.log")
-    for tier in ("prefill", "decode"):
-        addr = topo.address(tier)
-        h.procs[tier] = topo.spawn(tier, [
+            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+            "--stream-idle-timeout", str(STREAM_IDLE_S)], log_dir / f"{gw}.log")
+    for name in ("prefill", *DECODERS):
+        tier, addr = name.split("-")[0], topo.address(name)
+        h.procs[name] = topo.spawn(name, [
             *cli, tier, "--model", model_dir, "--host", addr, "--port", str(WORKER_PORT),
             "--advertise-address", f"{addr}:{WORKER_PORT}", "--metrics-port", str(METRICS_PORT),
-            "--gateway", gateways, "--worker-id", tier, "--heartbeat-interval", "0.3",
+            "--gateway", gateways, "--worker-id", name, "--heartbeat-interval", "0.3",
             "--threads", "1", "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "128"],
-            log_dir / f"{tier}.log")
+            log_dir / f"{name}.log")
     probe = topo.spawn("client", [sys.executable, str(Path(__file__).parent / "netns_probe.py")],
                        log=None, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=open(log_dir / "client.log", "wb"), text=True)  # noqa: SIM115
@@ -157,7 +175,7 @@ def test_each_process_binds_only_its_own_address(hosts):
     gw_ports = {GRPC_PORT, HTTP_PORT, REGISTRY_PORT}
     expected = {"gw-a": gw_ports, "gw-b": gw_ports,
                 "prefill": {WORKER_PORT, METRICS_PORT}, "decode": {WORKER_PORT, METRICS_PORT},
-                "client": set()}
+                "decode-b": {WORKER_PORT, METRICS_PORT}, "client": set()}
     for name, ports in expected.items():
         listeners = hosts.topo.listeners(name)
         own = hosts.topo.address(name)
@@ -201,6 +219,64 @@ def test_killing_one_gateway_leaves_the_other_serving(hosts, reference):
     assert hosts.probe("generate", gateway=hosts.grpc("gw-a"), prompts=_prompts(),
                        max_tokens=MAX_TOKENS) == reference
     hosts.assert_pools_clean()
+
+
+def _long_prompt() -> list[int]:
+    return [(13 * j + 5) % 3000 + 60 for j in range(100)]  # one prefill chunk (<= 128)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_model_dir) -> list[int]:
+    engine = tiny_engine(tiny_model_dir, num_threads=1)
+    greedy = SamplingParams(max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True)
+    return engine.generate([_long_prompt()], greedy)[0].token_ids
+
+
+def _cut_mid_stream(hosts, cut_all: bool) -> dict:
+    """A long greedy request through gw-a (disaggregated: its KV crossed the bridge), whose
+    decode host's link goes down once 8 tokens have streamed; every decode host's when
+    `cut_all`."""
+    cuts = [[hosts.grpc(d), hosts.topo.link_argv(d, up=False)] for d in DECODERS]
+    return hosts.probe("generate_cut", gateway=hosts.grpc("gw-a"), prompt=_long_prompt(),
+                       max_tokens=LONG_TOKENS, after_tokens=8, cuts=cuts, cut_all=cut_all)
+
+
+def _links_back(hosts, reference) -> None:
+    """Every link up again: both decode workers registered at gw-a, serving the same
+    output, and no block held anywhere."""
+    for d in DECODERS:
+        hosts.topo.set_link(d, up=True)
+    hosts.wait_ready(("gw-a",))
+    assert hosts.probe("generate", gateway=hosts.grpc("gw-a"), prompts=_prompts(),
+                       max_tokens=MAX_TOKENS) == reference
+    hosts.assert_pools_clean(timeout=30.0)  # a cut stream's end reaches its worker late
+
+
+def test_decode_link_down_mid_stream_migrates(hosts, reference, long_reference):
+    before = hosts.kv_received_bytes()
+    try:
+        out = _cut_mid_stream(hosts, cut_all=False)
+    finally:
+        for d in DECODERS:
+            hosts.topo.set_link(d, up=True)
+    assert len(out["cut"]) == 1, out  # exactly the serving worker was cut off
+    assert out["result"] == long_reference  # continued on the other one, same tokens
+    log = hosts.log("gw-a")
+    assert "migrating (1 of at most" in log, log[-3000:]
+    assert hosts.kv_received_bytes() > before  # the long prompt's KV crossed the bridge
+    _links_back(hosts, reference)
+
+
+def test_all_decode_links_down_ends_unavailable(hosts, reference):
+    try:
+        out = _cut_mid_stream(hosts, cut_all=True)
+    finally:
+        for d in DECODERS:
+            hosts.topo.set_link(d, up=True)
+    # no path left: an explicit status, not the client's own deadline running out
+    assert out["result"] == "UNAVAILABLE", out
+    assert out["cut"] == [0, 1]
+    _links_back(hosts, reference)
 
 
 def test_one_unreachable_gateway_does_not_stop_registration_with_another(tiny_model_dir):

@@ -1,7 +1,7 @@
 """KV-transfer benchmark: loopback bandwidth and how much of TTFT the transfer adds.
 
     python -m pdserve.bench.kv_transfer [--lengths 1024,4096] [--repeats 3] [--max-chunk-bytes N]
-                                [--transport grpc,shm] [--out docs/kv_transfer.json]
+                                [--transport grpc,shm] [--no-ttft] [--out docs/kv_transfer.json]
 
 Starts a real local cluster (1 prefill worker on one core, 1 decode worker on the other),
 then talks to the workers directly:
@@ -24,9 +24,10 @@ then talks to the workers directly:
      so the commit finishes the sequence and no decode step runs into the next push.
    - CPU: each side's CPU time per MiB moved (this process; the decode worker process),
      to tell which end limits.
-2. TTFT share: real prefills of distinct prompts (no prefix hits): Reserve at the decode
-   worker, Prefill at the prefill worker; the prefill worker reports compute time and the
-   transfer time left after its last layer finished (the part compute did not hide). With
+2. TTFT share (skipped with `--no-ttft`): real prefills of distinct prompts (no prefix
+   hits): Reserve at the decode worker, Prefill at the prefill worker; the prefill worker
+   reports compute time and the transfer time left after its last layer finished (the part
+   compute did not hide). With
    `shm` the Prefill request carries the Reserve's offer, as the gateway passes it on.
    `kv_production_GBps` = KV bytes / compute time: the rate a prefill produces KV at, which
    a layer-wise push has to keep up with.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import sys
@@ -57,6 +59,7 @@ from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+_push_ids = itertools.count()  # request ids stay distinct when a run measures twice
 BANDWIDTH_DEFINITION = (
     "KV payload bytes (K+V of every layer and block) / seconds from open() to the commit "
     "ack, tensors ready before the clock starts; sender pinned to the prefill worker's "
@@ -110,7 +113,7 @@ class _Push:
 async def _push_once(d, decode_addr: str, decode_pid: int, transport: ShmKVTransport,
                      n_tokens: int, salt: int, kv_cache: dict) -> _Push:
     """Pushes a whole reservation of a distinct prompt."""
-    rid = f"bw-{transport.mode}-{n_tokens}-{salt}"
+    rid = f"bw-{transport.mode}-{n_tokens}-{salt}-{next(_push_ids)}"
     res = await _reserve(d, _prompt(n_tokens, salt), rid, max_tokens=1)
     spec: KVCacheSpec = kv_spec_from_proto(res.kv_spec)
     n = res.num_blocks
@@ -195,18 +198,21 @@ async def ttft_split(decode_addr: str, prefill_addr: str, n_tokens: int, repeats
 
 
 async def run(endpoints, lengths: list[int], repeats: int, chunk: int,
-              transports: list[str], creds: ClusterCredentials) -> dict:
+              transports: list[str], creds: ClusterCredentials, ttft: bool = True) -> dict:
     dec = next(w for w in endpoints.workers if w.tier == "decode")
     pre = next(w for w in endpoints.workers if w.tier == "prefill")
     pin_this_process(pre.cpus)
     out = {}
     for n in lengths:
         print(f"{n}-token prompts ...", file=sys.stderr)
-        out[str(n)] = {
-            mode: {"bandwidth": await bandwidth(dec.address, dec.pid, n, repeats, chunk, mode,
-                                                creds),
-                   "ttft": await ttft_split(dec.address, pre.address, n, repeats, mode, creds)}
-            for mode in transports}
+        out[str(n)] = {}
+        for mode in transports:
+            res = {"bandwidth": await bandwidth(dec.address, dec.pid, n, repeats, chunk, mode,
+                                                creds)}
+            if ttft:
+                res["ttft"] = await ttft_split(dec.address, pre.address, n, repeats, mode,
+                                               creds)
+            out[str(n)][mode] = res
     return out
 
 
@@ -221,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                         "worker (default 1 MiB, the prefill worker's own default)")
     p.add_argument("--transport", default="grpc,shm",
                    help="transports to measure, comma-separated: grpc, shm (default both)")
+    p.add_argument("--no-ttft", action="store_true",
+                   help="bandwidth only: no real prefills (part 2), which a loaded machine "
+                        "may not finish within the push deadline at 4k tokens")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -238,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                   "bandwidth_definition": BANDWIDTH_DEFINITION,
                   "results": asyncio.run(run(eps, lengths, a.repeats, a.max_chunk_bytes,
                                              transports,
-                                             ClusterCredentials(token=cluster.cluster_token)))}
+                                             ClusterCredentials(token=cluster.cluster_token),
+                                             ttft=not a.no_ttft))}
     emit_report(report, a.out)
     return 0
 

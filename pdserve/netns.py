@@ -1,5 +1,6 @@
-"""Hosts for multi-host tests: Linux network namespaces joined by a bridge, one namespace
-per process, each with its own address, and the processes started inside them.
+"""Hosts for multi-host tests and `pdserve.bench.netns`: Linux network namespaces joined by a
+bridge, one namespace per process, each with its own address, and the processes started
+inside them.
 
     bridge namespace <prefix>-br:  br0 ── v0 ─┐ ── v1 ─┐ ...   (no address, no route out)
                                               │        │
@@ -170,6 +171,16 @@ class Topology:
                 out.close()  # the child holds its own descriptor
         self._procs.append(p)
         return p
+
+    def link_argv(self, name: str, up: bool) -> list[str]:
+        """The command that takes `name`'s link to the bridge down (or up again): its port
+        in the bridge namespace, so the host itself keeps its address and sockets, as a
+        pulled cable would leave them. Runnable from any namespace (`ip -n`)."""
+        port = f"v{list(self.hosts).index(name)}"
+        return ["ip", "-n", self.bridge_ns, "link", "set", port, "up" if up else "down"]
+
+    def set_link(self, name: str, up: bool) -> None:
+        _ip(*self.link_argv(name, up)[1:])
 
     def kill(self, p: subprocess.Popen) -> None:
         """SIGKILL one process this topology started (its whole group), and reap it."""
