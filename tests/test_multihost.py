@@ -1,5 +1,5 @@
 """Each tier as its own host: two gateways, a prefill worker and two decode workers, each in
-its own network namespace with its own address on one bridge (tests/netns.py), started with
+its own network namespace with its own address on one bridge (pdserve/netns.py), started with
 `pdserve gateway | prefill | decode`; the test client runs in a fifth namespace
 (tests/netns_probe.py). Nothing binds to 127.0.0.1 and no packet leaves the namespaces.
 
