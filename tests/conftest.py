@@ -19,7 +19,8 @@ TINY_SEED = 1234
 # pdserve processes (gateway, workers, clusters, the CLI and scripts). Everything else is
 # the unit tier, in-process and server-free: `make test-unit` runs it alone.
 E2E_FILES = frozenset({
-    "test_bench_loadgen.py", "test_burst.py", "test_chaos.py", "test_cli_generate.py", "test_cluster.py",
+    "test_bench_loadgen.py", "test_burst.py", "test_chaos.py", "test_cli_generate.py",
+    "test_cluster.py",
     "test_compile_check.py", "test_deploy.py", "test_disagg.py", "test_gateway_admission.py",
     "test_gateway_cluster.py", "test_gateway_e2e.py", "test_gateway_gguf.py",
     "test_gpu_check.py", "test_kv_connector.py", "test_kv_shm.py", "test_kvtransfer.py",
