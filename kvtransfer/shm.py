@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.kv_spec import KVCacheSpec
+from pdserve.pids import pid_alive
 from pdserve.protos.pdserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ def sweep_stale(directory: Path = SHM_DIR) -> int:
         return 0
     for name in names:
         m = _NAME.fullmatch(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         try:
             os.unlink(directory / name)
@@ -196,14 +197,6 @@ def sweep_stale(directory: Path = SHM_DIR) -> int:
     return removed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ShmSegmentPool:

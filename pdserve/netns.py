@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.pids import pid_alive
+
 # Lives only inside namespaces a topology owns; no host route can clash with it.
 SUBNET = "10.213.47"
 PREFIX = "pdsv"
@@ -76,14 +78,6 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sweep_stale() -> list[str]:
@@ -95,7 +89,7 @@ def sweep_stale() -> list[str]:
         name = line.split()[0] if line.split() else ""
         parts = name.split("-")
         if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit() \
-                and not _pid_alive(int(parts[1])):
+                and not pid_alive(int(parts[1])):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             gone.append(name)
     return gone
