@@ -130,14 +130,20 @@ class TokenTimer:
         self.count = 0
 
     def arrived(self, n: int) -> None:
+        """n tokens arrived together (workers send every token that is ready in one
+        message): one inter-token latency per token after the first, the message's wait
+        shared among its tokens — so the histogram counts tokens, not messages."""
         if n == 0:
             return
         now = time.monotonic()
         if self.first is None:
             self.first = now
             self.m.ttft.observe(now - self.start)
+            gaps, gap = n - 1, 0.0  # the rest of the first message came with it
         else:
-            self.m.itl.observe(now - self.last)
+            gaps, gap = n, (now - self.last) / n
+        for _ in range(gaps):
+            self.m.itl.observe(gap)
         self.last = now
         self.count += n
 
