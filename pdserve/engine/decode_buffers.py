@@ -73,7 +73,7 @@ class DecodeBuffers:
             seq = s.seq
             p = seq.num_computed_tokens
             table = seq.block_table
-            rows.append([seq.all_token_ids[p], p, table[p // bs] * bs + p % bs, p + 1])
+            rows.append([seq.token_id(p), p, table[p // bs] * bs + p % bs, p + 1])
             lens.append(p + 1)
             if len(table) > self.max_blocks:
                 raise ValueError(f"sequence {seq.request_id}: {len(table)} blocks exceed the "

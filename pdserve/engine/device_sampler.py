@@ -104,7 +104,7 @@ class SamplingBuffers:
                        p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
                        float(p.greedy)])
             il.append([p.top_k if 0 < p.top_k < vocab else vocab,
-                       0 if p.greedy else row_seed(p.seed), len(r.history)])
+                       0 if p.greedy else row_seed(p.seed), r.position])
         fl += [[1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]] * (padded - n)
         il += [[vocab, 0, 0]] * (padded - n)
         hf, hi = self._host_floats[:padded], self._host_ints[:padded]

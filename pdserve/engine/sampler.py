@@ -33,6 +33,13 @@ class SampleRow:
     eos_token_ids: tuple[int, ...]
 
     @property
+    def position(self) -> int:
+        """The output position of the token sampled now, what it made before a migration
+        included: the seed stream's key (no list is built: this runs for every row of every
+        step)."""
+        return self.params.output_offset + len(self.output_token_ids)
+
+    @property
     def history(self) -> list[int]:
         """The request's whole output so far, what it made before a migration included."""
         k = self.params.output_offset
@@ -105,7 +112,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[tuple[int, Token
             if p.greedy:
                 tokens.append(int(x.argmax()))
             else:
-                tokens.append(_draw(_filter(x, p), p, len(row.history)))
+                tokens.append(_draw(_filter(x, p), p, row.position))
     out: list[tuple[int, TokenLogprobs | None]] = []
     need_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     lps = logits[need_lp].log_softmax(-1) if need_lp else None

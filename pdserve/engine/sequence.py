@@ -85,6 +85,13 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_id(self, position: int) -> int:
+        """The token at `position` of prompt + output, without building that list (the
+        decode step reads one token per sequence)."""
+        n = len(self.prompt_token_ids)
+        return (self.prompt_token_ids[position] if position < n
+                else self.output_token_ids[position - n])
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished
