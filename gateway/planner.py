@@ -2,8 +2,9 @@
 
 Every `interval` the gateway's driver (server.py) hands `Planner.observe` one `Signals`
 snapshot — the live workers of each tier with their heartbeat load, and the gateway's own
-recent TTFT and TPOT — and gets a `Decision` back: the desired worker count per tier and at
-most one `Switch` to order (WorkerControl.SwitchRole). The rules:
+recent TTFT and the TPOT of the requests that finished recently — and gets a `Decision`
+back: the desired worker count per tier and at most one `Switch` to order
+(WorkerControl.SwitchRole). The rules:
 
   pressure   prefill: queued prefill requests per prefill worker / `queue_high`, and in
              `slo` mode also recent TTFT / the TTFT SLO (the larger counts);
@@ -78,7 +79,9 @@ class Signals:
     prefill: tuple[Worker, ...]  # live workers per tier (registry.alive)
     decode: tuple[Worker, ...]
     ttft_s: float | None = None  # mean over the recent window; None: no requests
-    tpot_s: float | None = None  # mean gap between streamed tokens over the window
+    # mean TPOT, (last token - first token) / (tokens - 1), of the requests finished in the
+    # window (the SLO's and /metrics' definition); None: none finished
+    tpot_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -298,8 +298,12 @@ class Gateway:
     # -- planner --------------------------------------------------------------------------
     async def _planner_loop(self) -> None:
         cfg = self.config.planner
-        # TPOT is read as the mean gap between streamed tokens in the window: the TPOT of
-        # finished requests would show a long output's slowdown only once it ends
+        # TPOT is the SLO's: each finished request's own (last token - first token) /
+        # (tokens - 1), the histogram /metrics exports and the bench scores, averaged over
+        # the requests that finished in the window. A mean of every streamed gap would weight
+        # a request by its length and count an in-flight request's first gaps (KV transfer,
+        # admission) before the tokens that dilute them have come; the price of the SLO's
+        # own measure is that a slowdown shows once requests finish
         ttft, tpot = WindowedMean(cfg.window_s), WindowedMean(cfg.window_s)
         while True:
             await asyncio.sleep(cfg.interval_s)
@@ -307,11 +311,12 @@ class Gateway:
             signals = Signals(now, tuple(self.registry.alive(Role.PREFILL)),
                               tuple(self.registry.alive(Role.DECODE)),
                               ttft.add(now, *histogram_totals(self.metrics.ttft)),
-                              tpot.add(now, *histogram_totals(self.metrics.itl)))
+                              tpot.add(now, *histogram_totals(self.metrics.tpot)))
             try:
                 d = self.planner.observe(signals)
                 for role in Role:
-                    self.planner_metrics.workers(role.value, d.desired[role], d.actual[role])
+                    self.planner_metrics.workers(role.value, d.desired[role], d.actual[role],
+                                                 d.pressure[role])
                 if d.switch is not None:
                     await self._order_switch(d.switch)
             except Exception:  # a bug must not end planning for the gateway's life

@@ -154,8 +154,10 @@ class TokenTimer:
 
 class PlannerMetrics:
     """The gateway planner's decisions, on a TierMetrics' registry with its labels:
-    `pdserve:planner_role_switches_total{to_role}`, and desired vs actual workers per tier
-    (`pdserve:planner_desired_workers{role}`, `pdserve:planner_actual_workers{role}`)."""
+    `pdserve:planner_role_switches_total{to_role}`, desired vs actual workers per tier
+    (`pdserve:planner_desired_workers{role}`, `pdserve:planner_actual_workers{role}`), and
+    the pressure each tier was judged by (`pdserve:planner_pressure{role}`: 1 is its
+    threshold), so a switch's reason can be read back."""
 
     def __init__(self, metrics: TierMetrics) -> None:
         r, lb, self.labels = metrics.registry, LABELS, metrics.labels
@@ -166,15 +168,19 @@ class PlannerMetrics:
                              "Workers the planner wants in a tier.", (*lb, "role"), registry=r)
         self.actual = Gauge("pdserve:planner_actual_workers",
                             "Live workers registered in a tier.", (*lb, "role"), registry=r)
+        self.pressure = Gauge("pdserve:planner_pressure",
+                              "A tier's pressure at the planner's last tick (1: threshold).",
+                              (*lb, "role"), registry=r)
         for role in ("prefill", "decode"):  # exposed at 0 before the first switch
             self.switches.labels(**self.labels, to_role=role)
 
     def switched(self, to_role: str) -> None:
         self.switches.labels(**self.labels, to_role=to_role).inc()
 
-    def workers(self, role: str, desired: int, actual: int) -> None:
+    def workers(self, role: str, desired: int, actual: int, pressure: float) -> None:
         self.desired.labels(**self.labels, role=role).set(desired)
         self.actual.labels(**self.labels, role=role).set(actual)
+        self.pressure.labels(**self.labels, role=role).set(pressure)
 
 
 def histogram_totals(h) -> tuple[float, float]:

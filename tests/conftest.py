@@ -24,7 +24,8 @@ E2E_FILES = frozenset({
     "test_compile_check.py", "test_deploy.py", "test_disagg.py", "test_gateway_admission.py",
     "test_gateway_cluster.py", "test_gateway_e2e.py", "test_gateway_gguf.py",
     "test_gpu_check.py", "test_kv_connector.py", "test_kv_shm.py", "test_kvtransfer.py",
-    "test_liveness.py", "test_multihost.py", "test_role_switch.py", "test_trust.py",
+    "test_liveness.py", "test_multihost.py", "test_planner_signal.py", "test_role_switch.py",
+    "test_trust.py",
 })
 
 
