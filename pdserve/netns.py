@@ -176,6 +176,23 @@ class Topology:
     def set_link(self, name: str, up: bool) -> None:
         _ip(*self.link_argv(name, up)[1:])
 
+    def limit_rate(self, name: str, kbit: int | None) -> None:
+        """Cap what `name` sends to `kbit` kbit/s (a token-bucket qdisc on its eth0: packets
+        wait, TCP slows, nothing is lost), or lift the cap (None). A transfer then lasts long
+        enough to act on while it is under way. RuntimeError where the kernel has no tbf."""
+        ns = self.hosts[name].netns
+        if shutil.which("tc") is None:
+            raise RuntimeError("the `tc` command (iproute2) is not installed")
+        if kbit is None:
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"],
+                           capture_output=True)
+            return
+        r = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                            "rate", f"{kbit}kbit", "burst", "16kb", "latency", "200ms"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"tc qdisc tbf on {name}: {r.stderr.strip()}")
+
     def kill(self, p: subprocess.Popen) -> None:
         """SIGKILL one process this topology started (its whole group), and reap it."""
         if p.poll() is None:

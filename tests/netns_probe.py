@@ -13,7 +13,15 @@ Commands ({"op": ..., ...}) and answers ({"ok": ...} or {"error": "..."}):
             "seconds": wall time}: streams one greedy request and, once `after_tokens`
             tokens arrived, runs the argv of every decode worker that holds KV blocks
             then (the one serving the request); all of them when `cut_all`
-  stats     address, role ("prefill" | "decode") -> [free_blocks, total_blocks]
+  generate_cut_kv  gateway, prompt, max_tokens, metrics (decode workers' /metrics URLs),
+            argv -> {"result": token ids or status name, "base", "at_cut", "after_cut",
+            "at_end": KV bytes the decode workers had received together before the request,
+            when the cut was triggered, once its argv had run, and when the request ended}:
+            streams one greedy request and runs `argv` as soon as the decode workers have
+            received some of its KV (`pdserve:kv_received_bytes_total` went up)
+  kv_received  urls (decode workers' /metrics) -> the KV bytes they received, together
+  stats     address, role ("prefill" | "decode") -> [free_blocks, total_blocks, running,
+            waiting] (a decode worker counts its open reservations as waiting)
   http      url -> the body of a GET
 """
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 import urllib.request
@@ -79,7 +88,7 @@ async def generate_cut(gateway: str, prompt: list[int], max_tokens: int, after_t
                 out.extend(chunk.token_ids)
                 if not cut and len(out) >= after_tokens:
                     for i, (addr, _) in enumerate(cuts):
-                        free, total = await stats(addr, "decode")
+                        free, total, *_ = await stats(addr, "decode")
                         if cut_all or free < total:
                             cut.append(i)
                     assert cut, "no decode worker holds the request's blocks"
@@ -91,6 +100,37 @@ async def generate_cut(gateway: str, prompt: list[int], max_tokens: int, after_t
     return {"result": result, "cut": cut, "seconds": time.monotonic() - t0}
 
 
+async def kv_received(urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        m = re.search(r"^pdserve:kv_received_bytes_total\{[^}]*\} (\S+)$", await http(url),
+                      re.M)
+        if m is None:
+            raise ValueError(f"{url} exports no pdserve:kv_received_bytes_total")
+        total += float(m.group(1))
+    return total
+
+
+async def generate_cut_kv(gateway: str, prompt: list[int], max_tokens: int,
+                          metrics: list[str], argv: list[str]) -> dict:
+    base = await kv_received(metrics)
+    marks: dict = {"base": base}
+    async with PdserveClient(gateway) as c:
+        request = asyncio.create_task(_one(c, prompt, max_tokens))
+        while not request.done():
+            marks["at_cut"] = await kv_received(metrics)
+            if marks["at_cut"] > base:
+                p = await asyncio.create_subprocess_exec(*argv)
+                assert await p.wait() == 0, f"{argv} failed"
+                marks["after_cut"] = await kv_received(metrics)
+                break
+            await asyncio.sleep(0.01)
+        assert "after_cut" in marks, "the request ended before any of its KV arrived"
+        marks["result"] = await request
+    marks["at_end"] = await kv_received(metrics)
+    return marks
+
+
 async def stats(address: str, role: str) -> list[int]:
     token = os.environ["PDSERVE_CLUSTER_TOKEN"]
     async with grpc.aio.insecure_channel(address) as ch:
@@ -98,7 +138,8 @@ async def stats(address: str, role: str) -> list[int]:
                 else prefill_pb2_grpc.PrefillWorkerStub(ch))
         s = await stub.Stats(common_pb2.StatsRequest(), timeout=5,
                              metadata=((TOKEN_METADATA, token),))
-        return [s.load.free_blocks, s.load.total_blocks]
+        return [s.load.free_blocks, s.load.total_blocks, s.load.num_running,
+                s.load.num_waiting]
 
 
 async def http(url: str) -> str:
@@ -108,7 +149,8 @@ async def http(url: str) -> str:
     return await asyncio.to_thread(get)
 
 
-OPS = {"ready": ready, "generate": generate, "generate_cut": generate_cut, "stats": stats,
+OPS = {"ready": ready, "generate": generate, "generate_cut": generate_cut,
+       "generate_cut_kv": generate_cut_kv, "kv_received": kv_received, "stats": stats,
        "http": http}
 
 

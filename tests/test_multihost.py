@@ -13,10 +13,17 @@ tokens) ends in decode migration onto the decode worker still reachable, with th
 greedy output; with both decode links down it ends in UNAVAILABLE within the client's
 deadline. Once the links are back the workers re-register and serve, pools clean.
 
+The prefill host's link pulled while a prompt's KV crosses the bridge (the workers push KV
+over gRPC, never through shared memory, so it really crosses): the prefill host's uplink is
+slowed by a token-bucket qdisc so the push lasts seconds, and the cut is made as soon as the
+decode workers' `pdserve:kv_received_bytes_total` moves, so that counter proves it landed
+mid-transfer (some of the request's KV received, not all, then or ever). The gateway's
+Prefill call goes unanswered until its rpc timeout, it fails over, no prefill worker is
+left, the prompt runs colocated: the same greedy output, and the half-filled reservation
+freed (by the gateway's Cancel) while the link is still down.
+
 Without root the namespace tests skip; the loopback test of independent registrations
-runs anywhere. Not covered: a link cut while the KV itself crosses the bridge (with the tiny
-model a push takes milliseconds, so no cut lands inside it reliably; prefill failover is
-covered on loopback by tests/test_migration.py).
+runs anywhere.
 """
 
 from __future__ import annotations
@@ -43,6 +50,14 @@ MAX_TOKENS = 12
 # notice it after HEARTBEAT_TIMEOUT_S too); well under the probe's 30 s client deadline
 STREAM_IDLE_S = 4.0
 LONG_TOKENS = 500  # a stream that is still running when its link goes down
+# gw-a's bound on a Prefill call: how long a prefill host whose link is down holds a request
+# before it fails over (under the probe's 30 s client deadline, over a slowed push's ~3 s)
+RPC_TIMEOUT_S = 8.0
+KV_PROMPT_TOKENS = 600  # ~300 KiB of KV with the tiny model, pushed in its last chunk
+# the prefill host's uplink while that KV crosses: ~2.5 s for it. Its heartbeats share the
+# slowed link and may miss their 0.3 s deadline; it then registers again (a call with the rpc
+# timeout), so the gateways keep hearing from it well within HEARTBEAT_TIMEOUT_S
+PREFILL_KBIT = 1000
 DECODERS = ("decode", "decode-b")
 NAMES = ("gw-a", "gw-b", "prefill", *DECODERS, "client")
 
@@ -101,26 +116,28 @@ class Hosts:
         for name, p in self.procs.items():
             assert p.poll() is None, f"{name} exited {p.returncode}:\n{self.log(name)[-3000:]}"
 
+    def metrics_urls(self) -> list[str]:
+        """The decode workers' /metrics."""
+        return [f"http://{self.topo.address(d)}:{METRICS_PORT}/metrics" for d in DECODERS]
+
     def kv_received_bytes(self) -> float:
         """KV bytes received by every decode worker together."""
-        total = 0.0
-        for name in DECODERS:
-            text = self.probe("http", url=f"http://{self.topo.address(name)}:{METRICS_PORT}"
-                                          "/metrics")
-            m = re.search(r"^pdserve:kv_received_bytes_total\{[^}]*\} (\S+)$", text, re.M)
-            assert m, f"{name} exports no pdserve:kv_received_bytes_total"
-            total += float(m.group(1))
-        return total
+        return self.probe("kv_received", urls=self.metrics_urls())
 
-    def assert_pools_clean(self, timeout: float = 10.0) -> None:
+    def assert_pools_clean(self, timeout: float = 10.0,
+                           names: tuple[str, ...] = ("prefill", *DECODERS)) -> None:
+        """No block held, nothing running, queued or reserved on any of `names`."""
         end = time.monotonic() + timeout
-        for name in ("prefill", *DECODERS):
+        for name in names:
             role = "prefill" if name == "prefill" else "decode"
             while True:
-                free, total = self.probe("stats", address=self.grpc(name), role=role)
-                if free == total:
+                free, total, running, waiting = self.probe("stats", address=self.grpc(name),
+                                                           role=role)
+                if (free, running, waiting) == (total, 0, 0):
                     break
-                assert time.monotonic() < end, f"{name}: {total - free} KV blocks still held"
+                assert time.monotonic() < end, (
+                    f"{name}: {total - free} KV blocks held, {running} running, {waiting} "
+                    "waiting or reserved")
                 time.sleep(0.1)
 
 
@@ -133,7 +150,7 @@ def _start(topo: Topology, log_dir: Path, model_dir: str) -> Hosts:
             *cli, "gateway", "--model", model_dir, "--host", topo.address(gw),
             "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
             "--registry-port", str(REGISTRY_PORT), "--disagg-threshold", str(threshold),
-            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--rpc-timeout", str(RPC_TIMEOUT_S),
             "--stream-idle-timeout", str(STREAM_IDLE_S)], log_dir / f"{gw}.log")
     for name in ("prefill", *DECODERS):
         tier, addr = name.split("-")[0], topo.address(name)
@@ -141,7 +158,10 @@ def _start(topo: Topology, log_dir: Path, model_dir: str) -> Hosts:
             *cli, tier, "--model", model_dir, "--host", addr, "--port", str(WORKER_PORT),
             "--advertise-address", f"{addr}:{WORKER_PORT}", "--metrics-port", str(METRICS_PORT),
             "--gateway", gateways, "--worker-id", name, "--heartbeat-interval", "0.3",
-            "--threads", "1", "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "128"],
+            "--threads", "1", "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "128",
+            # KV payloads in the Push messages, across the bridge; not through /dev/shm,
+            # which every namespace here shares
+            "--kv-transport", "grpc"],
             log_dir / f"{name}.log")
     probe = topo.spawn("client", [sys.executable, str(Path(__file__).parent / "netns_probe.py")],
                        log=None, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -277,6 +297,55 @@ def test_all_decode_links_down_ends_unavailable(hosts, reference):
     assert out["result"] == "UNAVAILABLE", out
     assert out["cut"] == [0, 1]
     _links_back(hosts, reference)
+
+
+def _kv_prompt() -> list[int]:
+    return [(7 * j + 11) % 3000 + 60 for j in range(KV_PROMPT_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def kv_reference(tiny_model_dir) -> list[int]:
+    engine = tiny_engine(tiny_model_dir, num_threads=1)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return engine.generate([_kv_prompt()], greedy)[0].token_ids
+
+
+def test_prefill_link_down_while_kv_crosses_runs_colocated(hosts, reference, kv_reference):
+    try:
+        hosts.topo.limit_rate("prefill", PREFILL_KBIT)
+    except RuntimeError as e:
+        pytest.skip(f"the KV push cannot be slowed here: {e}")
+    gw = hosts.grpc("gw-a")
+    colocated_before = hosts.log("gw-a").count("no prefill worker left; running it colocated")
+    try:
+        # fault-free first: the request's whole KV, as the decode workers count it
+        before = hosts.kv_received_bytes()
+        assert hosts.probe("generate", gateway=gw, prompts=[_kv_prompt()],
+                           max_tokens=MAX_TOKENS) == [kv_reference]
+        full = hosts.kv_received_bytes() - before
+        assert full > 0
+        out = hosts.probe("generate_cut_kv", gateway=gw, prompt=_kv_prompt(),
+                          max_tokens=MAX_TOKENS, metrics=hosts.metrics_urls(),
+                          argv=hosts.topo.link_argv("prefill", up=False))
+        # the cut landed mid-transfer: part of the KV had arrived, and the rest never did
+        assert 0 < out["after_cut"] - out["base"] < full, (out, full)
+        assert out["at_end"] - out["base"] < full, (out, full)
+        # the Prefill call failed over; no prefill worker left, it ran colocated
+        assert out["result"] == kv_reference
+        log = hosts.log("gw-a")
+        assert "failing over" in log, log[-3000:]
+        assert log.count("no prefill worker left; running it colocated") == \
+            colocated_before + 1, log[-3000:]
+        # the half-filled reservation is gone with the link still down: freed by the
+        # gateway's Cancel, not left to expire
+        hosts.assert_pools_clean(names=DECODERS)
+    finally:
+        hosts.topo.set_link("prefill", up=True)
+        hosts.topo.limit_rate("prefill", None)
+    hosts.wait_ready(("gw-a",))  # the prefill worker registers again
+    assert hosts.probe("generate", gateway=gw, prompts=_prompts(),
+                       max_tokens=MAX_TOKENS) == reference
+    hosts.assert_pools_clean(timeout=30.0)
 
 
 def test_one_unreachable_gateway_does_not_stop_registration_with_another(tiny_model_dir):
