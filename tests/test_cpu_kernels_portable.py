@@ -57,6 +57,12 @@ qk, pos = torch.randn(300, 12, 64), torch.randint(0, 64, (300,))
 cos, sin = torch.rand(64, 64), torch.rand(64, 64)
 want = ref.rope(qk, ref.rope_tables(pos, cos, sin))
 close(cpu.rope(qk.clone(), cpu.rope_tables(pos, cos, sin)), want)
+for dtype in (torch.float32, torch.bfloat16):
+    for m, k, n in ((1, 576, 300), (5, 100, 33), (11, 17, 7)):
+        xs, ws = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+        torch.testing.assert_close(cpu.linear(xs, ws).float(), xs.float() @ ws.float().T,
+                                   atol=1e-4 if dtype == torch.float32 else 1e-2,
+                                   rtol=1e-5 if dtype == torch.float32 else 2 ** -7)
 print(library_path())
 """
 

@@ -75,6 +75,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lo_rope.restype = i64
     lib.lo_silu_mul.argtypes = [p, p, i64, i32, i32, i32]
     lib.lo_silu_mul.restype = None
+    # gemv.c
+    lib.gv_linear.argtypes = [p, i64, p, p, i64, i64, i64, i64, i32, i32]
+    lib.gv_linear.restype = i32
 
 
 def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:

@@ -1,4 +1,5 @@
-"""x @ W.T for the model's projections: F.linear, or oneDNN's matmul on the CPU."""
+"""x @ W.T for the model's projections: F.linear, oneDNN's matmul, or the C GEMV for the
+few rows of a decode step on the CPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import torch.nn.functional as F
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+# Up to this many rows x @ W.T streams the weights (pdserve::gemv_linear); above it the
+# work is a GEMM and oneDNN's blocked kernels win (crossover measured with
+# `python -m pdserve.bench.cpu_linear`, docs/benchmarks.md section 6).
+GEMV_MAX_ROWS = 4
+
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T through oneDNN's matmul. On the CPU `F.linear` in float32 goes to MKL's
@@ -17,9 +23,28 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def pick_linear(device: torch.device) -> Linear:
-    """oneDNN on the CPU where torch has it; elsewhere F.linear (cuBLAS on CUDA). The choice
-    is by device only: it holds whichever element-wise ops the model falls back to."""
+def cpu_linear() -> Linear:
+    """The C GEMV for decode-sized inputs, oneDNN for the rest; raises KernelBuildError
+    when the C kernels cannot be built."""
+    from pdserve.engine.cpu_kernels.gemv import gemv_linear
+    from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
+
+    load()
+    fallback = onednn_linear if torch.backends.mkldnn.is_available() else F.linear
+
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in DTYPE_CODES:
+            return gemv_linear(x, weight)
+        return fallback(x, weight)
+
+    return linear
+
+
+def pick_linear(device: torch.device, impl: str = "torch") -> Linear:
+    """impl "cpu": `cpu_linear`. Otherwise oneDNN on the CPU where torch has it, elsewhere
+    F.linear (cuBLAS on CUDA)."""
+    if device.type == "cpu" and impl == "cpu":
+        return cpu_linear()
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
         return onednn_linear
     return F.linear

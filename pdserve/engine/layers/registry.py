@@ -61,7 +61,7 @@ def build_layer_ops(impl: str, device: torch.device | str) -> LayerOps:
     rope = rotary.IMPLS[impl]()
     return LayerOps(name=impl, add_rms_norm=norm.IMPLS[impl](), rope_tables=rope.tables,
                     rope=rope.rope, silu_mul=activation.IMPLS[impl](),
-                    linear=linear.pick_linear(device))
+                    linear=linear.pick_linear(device, impl))
 
 
 def layer_ops(device: torch.device | str) -> LayerOps:

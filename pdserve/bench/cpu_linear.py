@@ -1,0 +1,78 @@
+"""The model's projections at decode sizes on the CPU: oneDNN's matmul against the C GEMV
+(`pdserve::gemv_linear`), streaming a whole model's worth of distinct weights per "step" so
+that nothing is served from cache, as in a real decode step; and the machine's read
+bandwidth (a sum over 1 GiB) as the bound both are measured against.
+
+    python -m pdserve.bench.cpu_linear [--rows 1,2,4,8,12,16] [--threads N] [--rounds 5]
+
+Shapes are SmolLM2-135M's (30 layers of QKV 576->960, O 576->576, gate+up 576->3072,
+down 1536->576, and the tied 576->49152 LM head): 538 MB in float32, 269 MB in bfloat16.
+Prints ms per step and GB/s of weights for each M (rows of x); the crossover is where the
+C GEMV stops winning (pdserve.engine.layers.linear.GEMV_MAX_ROWS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pdserve.engine.cpu_kernels.gemv import gemv_linear
+from pdserve.engine.layers.linear import onednn_linear
+
+LAYERS = 30
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) per layer
+LM_HEAD = (576, 49152)
+
+
+def read_bandwidth() -> float:
+    """GB/s of one pass over 1 GiB of float32 (a sum): what streaming can reach here."""
+    a = torch.randn(1 << 28)
+    a.sum()
+    best = min(_seconds(a.sum) for _ in range(5))
+    return a.numel() * 4 / best / 1e9
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,2,4,8,12,16", help="rows of x (comma-separated)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--rounds", type=int, default=5, help="timed steps per case (min is kept)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rows = [int(r) for r in a.rows.split(",")]
+    print(f"threads={torch.get_num_threads()}; read bandwidth {read_bandwidth():.1f} GB/s")
+    print(f"{'dtype':>8} {'M':>3} | {'oneDNN ms':>9} {'GB/s':>5} | {'GEMV ms':>7} {'GB/s':>5} | "
+          f"{'speedup':>7}")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            weights = [torch.randn(o, i, generator=gen).to(dtype)
+                       for _ in range(LAYERS) for i, o in SHAPES]
+            weights.append(torch.randn(LM_HEAD[1], LM_HEAD[0], generator=gen).to(dtype))
+            nbytes = sum(w.numel() * w.element_size() for w in weights)
+            for m in rows:
+                xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (576, 1536)}
+                times = {}
+                for name, fn in (("onednn", onednn_linear), ("gemv", gemv_linear)):
+                    def step(fn=fn):
+                        for w in weights:
+                            fn(xs[w.shape[1]], w)
+                    step()
+                    times[name] = min(_seconds(step) for _ in range(a.rounds))
+                o, g = times["onednn"], times["gemv"]
+                print(f"{str(dtype).removeprefix('torch.'):>8} {m:>3} | {o * 1e3:>9.2f} "
+                      f"{nbytes / o / 1e9:>5.1f} | {g * 1e3:>7.2f} {nbytes / g / 1e9:>5.1f} | "
+                      f"{o / g:>6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

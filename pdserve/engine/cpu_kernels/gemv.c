@@ -1,0 +1,174 @@
+/* y = x @ W^T for the few rows of a decode step: x [M, K], W [N, K] (the model's
+ * [out, in] layout), y [M, N], M small (a handful of sequences).
+ *
+ * At these M a projection is a matrix-vector product: every weight byte is used M times,
+ * so the step's time is the time to stream the weights from memory once. oneDNN and MKL
+ * are tuned for GEMM: at M = 1 they stream SmolLM2-135M's linears at 8-14 GB/s on this
+ * box against ~27 GB/s the memory gives two cores (docs/benchmarks.md section 6). Here each
+ * thread walks its own contiguous run of weight rows in memory order and holds x (widened
+ * to float32 once, a few KiB, in L1) against each row: a row is read from memory once for
+ * up to eight rows of x, and again, from L1, for the next eight.
+ *
+ * Accumulation is in float32; a bfloat16 result is rounded once. bfloat16 weights are
+ * widened in registers (a shift), never in memory.
+ *
+ * dtype codes and bf16 conversions: common.h.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define XB 8 /* rows of x against one weight row per pass (their float32 copies sit in L1) */
+#define PARALLEL_MIN_WEIGHTS 65536 /* below this, waking a second thread costs more */
+
+#ifdef __AVX512F__
+/* 16 weights from row w at k (masked), widened to float32. */
+INLINE __m512 load_w(const void *w, int64_t k, __mmask16 m, int dt)
+{
+    if (dt == DT_F32)
+        return _mm512_maskz_loadu_ps(m, (const float *)w + k);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* out[b] = dot(x[b], w) over K for b < NB: one function per NB, so the accumulators are
+ * a fixed set of registers. */
+#define DEFINE_DOT(NB)                                                                        \
+    static void dot_row_##NB(const void *w, const float *x, int64_t K, int dt, float *out)   \
+    {                                                                                         \
+        __m512 acc[NB];                                                                       \
+        for (int b = 0; b < NB; b++)                                                          \
+            acc[b] = _mm512_setzero_ps();                                                     \
+        int64_t k = 0;                                                                        \
+        for (; k + 16 <= K; k += 16) {                                                        \
+            const __m512 wv = load_w(w, k, (__mmask16)0xffff, dt);                            \
+            for (int b = 0; b < NB; b++)                                                      \
+                acc[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * K + k), acc[b]);         \
+        }                                                                                     \
+        if (k < K) {                                                                          \
+            const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);                             \
+            const __m512 wv = load_w(w, k, m, dt);                                            \
+            for (int b = 0; b < NB; b++)                                                      \
+                acc[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + b * K + k), acc[b]);\
+        }                                                                                     \
+        for (int b = 0; b < NB; b++)                                                          \
+            out[b] = _mm512_reduce_add_ps(acc[b]);                                            \
+    }
+DEFINE_DOT(1)
+DEFINE_DOT(2)
+DEFINE_DOT(3)
+DEFINE_DOT(4)
+DEFINE_DOT(5)
+DEFINE_DOT(6)
+DEFINE_DOT(7)
+DEFINE_DOT(8)
+
+static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, float out[XB])
+{
+    switch (nb) {
+    case 1: dot_row_1(w, x, K, dt, out); break;
+    case 2: dot_row_2(w, x, K, dt, out); break;
+    case 3: dot_row_3(w, x, K, dt, out); break;
+    case 4: dot_row_4(w, x, K, dt, out); break;
+    case 5: dot_row_5(w, x, K, dt, out); break;
+    case 6: dot_row_6(w, x, K, dt, out); break;
+    case 7: dot_row_7(w, x, K, dt, out); break;
+    default: dot_row_8(w, x, K, dt, out); break;
+    }
+}
+#else
+INLINE float w_at(const void *w, int64_t k, int dt)
+{
+    return dt == DT_F32 ? ((const float *)w)[k] : bf16_to_f32(((const uint16_t *)w)[k]);
+}
+
+static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, float out[XB])
+{
+    for (int b = 0; b < nb; b++) {
+        float s = 0.f;
+        if (dt == DT_F32) {
+            const float *wr = (const float *)w;
+#pragma omp simd reduction(+ : s)
+            for (int64_t k = 0; k < K; k++)
+                s += wr[k] * x[b * K + k];
+        } else {
+#pragma omp simd reduction(+ : s)
+            for (int64_t k = 0; k < K; k++)
+                s += w_at(w, k, dt) * x[b * K + k];
+        }
+        out[b] = s;
+    }
+}
+#endif
+
+/* Rows [n0, n1) of y for every row of x; xf is x widened, [M, K] contiguous. One weight
+ * row at a time, in memory order: a single sequential stream is what the hardware
+ * prefetcher follows best (measured on one core at M = 1: 20 GB/s, against 9-11 GB/s
+ * for 2, 4 or 8 rows read side by side). */
+static void rows(const float *xf, const void *w, void *y, int64_t y_stride, int64_t M,
+                 int64_t n0, int64_t n1, int64_t K, int dt)
+{
+    const size_t row_bytes = (size_t)K * (dt == DT_F32 ? 4 : 2);
+    for (int64_t n = n0; n < n1; n++) {
+        const void *wr = (const char *)w + (size_t)n * row_bytes;
+        for (int64_t b0 = 0; b0 < M; b0 += XB) {
+            const int nb = M - b0 < XB ? (int)(M - b0) : XB;
+            float out[XB];
+            dot_row(wr, xf + b0 * K, K, nb, dt, out);
+            for (int b = 0; b < nb; b++) {
+                const int64_t at = (b0 + b) * y_stride + n;
+                if (dt == DT_F32)
+                    ((float *)y)[at] = out[b];
+                else
+                    ((uint16_t *)y)[at] = f32_to_bf16(out[b]);
+            }
+        }
+    }
+}
+
+/* y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) @ w [N, K]^T, all of dtype
+ * dt, w contiguous. Returns 0, or -1 when the float32 copy of x cannot be allocated. */
+int gv_linear(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride,
+              int64_t M, int64_t N, int64_t K, int dt, int num_threads)
+{
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf)
+        return -1;
+    for (int64_t b = 0; b < M; b++) {
+        if (dt == DT_F32) {
+            memcpy(xf + b * K, (const float *)x + b * x_stride, (size_t)K * sizeof(float));
+        } else {
+            const uint16_t *s = (const uint16_t *)x + b * x_stride;
+#pragma omp simd
+            for (int64_t k = 0; k < K; k++)
+                xf[b * K + k] = bf16_to_f32(s[k]);
+        }
+    }
+    /* each thread one contiguous run of rows: one stream per core */
+    const int threads = N * K >= PARALLEL_MIN_WEIGHTS && num_threads > 1
+                            ? (N < num_threads ? (int)N : num_threads) : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        const int64_t per = (N + threads - 1) / threads;
+        const int64_t n0 = t * per;
+        const int64_t n1 = n0 + per < N ? n0 + per : N;
+        if (n0 < n1)
+            rows(xf, w, y, y_stride, M, n0, n1, K, dt);
+    }
+    free(xf);
+    return 0;
+}
