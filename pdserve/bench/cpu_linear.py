@@ -63,7 +63,7 @@ def main() -> None:
                 xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (576, 1536)}
                 times = {}
                 for name, fn in (("onednn", onednn_linear), ("gemv", gemv_linear)):
-                    def step(fn=fn):
+                    def step(fn=fn, weights=weights, xs=xs):
                         for w in weights:
                             fn(xs[w.shape[1]], w)
                     step()
