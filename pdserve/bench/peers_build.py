@@ -167,15 +167,19 @@ def build_hf(paths: PeerPaths) -> None:
         say(f"hf: {paths.hf_dir} exists; skipped")
         return
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from pdserve.engine.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
     from pdserve.engine.model_loader import load_hf_weights
 
     source = resolve_model(DEFAULT_MODEL)
-    config, state = load_hf_weights(source)
-    config.torch_dtype = torch.float32
-    model = LlamaForCausalLM(config).to(torch.float32)
+    gguf_config, state = load_hf_weights(source)
+    # the weights are dequantized now: a config that still says "gguf" makes vLLM refuse it
+    fields = gguf_config.to_dict()
+    fields.pop("quantization_config", None)
+    fields.pop("torch_dtype", None)
+    fields["dtype"] = "float32"
+    model = LlamaForCausalLM(LlamaConfig.from_dict(fields)).to(torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # a tied lm_head may be absent from the state dict; nothing else may be
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)

@@ -10,8 +10,8 @@ For each system of `RunSettings.systems`:
    on;
 3. two short warm-up requests (other text, other seed) go first;
 4. before each workload the prefix cache is emptied — an HTTP call (vLLM's
-   `/reset_prefix_cache`, llama-server's slot erase) or, for pdserve, which has none, a
-   restart — and the workload is replayed by `pdserve.bench.runner` through
+   `/reset_prefix_cache`) or a restart (pdserve, llama-server; see
+   `pdserve.bench.peers_systems`) — and the workload is replayed by `pdserve.bench.runner` through
    `OpenAIHTTPClient` (`/v1/completions`, streamed, `temperature` 0, `ignore_eos`, usage in
    the last message): TPOT per output token counts the server's usage; requests not done
    by the workload's time limit (arrival window + `drain_s`) are lost;

