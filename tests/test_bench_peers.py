@@ -96,7 +96,8 @@ def test_vllm_command_and_tuned_env(tmp_path):
     cores = sorted(os.sched_getaffinity(0))[:2]
     bind = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
     assert la.env == {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "4",
-                      "VLLM_SERVER_DEV_MODE": "1"}  # nothing to preload: not built
+                      "VLLM_SERVER_DEV_MODE": "1",
+                      "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}  # nothing to preload
     for lib in (paths.tcmalloc, paths.iomp):
         lib.parent.mkdir(parents=True, exist_ok=True)
         lib.touch()
@@ -192,7 +193,7 @@ RECORDED = {
             "d": _report(10.0, 2.0, ttft=(127.0, 127.0), tpot=(25.71, 25.71))}),
         "vllm-fp32": _system("vllm-fp32", "vllm", {
             "a": _report(94.5, 35.3, failed=2, short=1),
-            "b": _report(179.2, 20.0)}),
+            "b": _report(179.2, 20.0)}, env={"VLLM_CPU_KVCACHE_SPACE": "4", "X": "y"}),
         "llamacpp-f16": _system("llamacpp-f16", "llamacpp", {}, startup_s=[],
                                 peak_rss_bytes=0, error="llamacpp-f16 exited with 1"),
     },
@@ -226,7 +227,9 @@ def test_markdown_names_commands_and_errors():
     md = render_markdown(RECORDED)
     assert md.startswith("# pdserve beside vLLM (CPU) and llama.cpp\n")
     assert "Workloads: d = single 128/128." in md
-    assert "- **vllm-fp32**: `vllm-fp32 --serve`. Prefix cache per workload: a: fresh start" in md
+    assert ("- **vllm-fp32**: `VLLM_CPU_KVCACHE_SPACE=4 X=y vllm-fp32 --serve`. Prefix cache "
+            "per workload: a: fresh start") in md
+    assert "- **pdserve-bf16**: `pdserve-bf16 --serve`." in md
     assert "**Error:** llamacpp-f16 exited with 1." in md
 
 

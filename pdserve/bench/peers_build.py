@@ -11,6 +11,7 @@ Nothing of theirs is committed; everything lands under `PeerPaths.root`
     llama-cpp-python-*/vendor/llama.cpp/build/bin/llama-server
     gguf/          F16 and F32 GGUFs converted from hf/ by llama.cpp's convert_hf_to_gguf.py
     downloads/     the wheel, sdist and .deb fetched by pip / apt-get
+    vllm-cache/    vLLM's compile cache (VLLM_CACHE_ROOT; written by `run`, not `build`)
     logs/          one log per long step
 
 Each step (`hf`, `vllm`, `llamacpp`) is idempotent: it checks for what it makes and skips

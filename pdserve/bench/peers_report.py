@@ -141,8 +141,8 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
              *table(systems), ""]
     for name, r in systems.items():
         how = "; ".join(f"{k}: {w['prefix_cache']}" for k, w in r.get("workloads", {}).items())
-        lines.append(f"- **{name}**: `{r.get('command', '?')}`"
-                     + (f" with {r['env']}" if r.get("env") else "")
+        env = " ".join(f"{k}={v}" for k, v in (r.get("env") or {}).items())
+        lines.append(f"- **{name}**: `{(env + ' ') if env else ''}{r.get('command', '?')}`"
                      + (f". Prefix cache per workload: {how}" if how else "")
                      + (f". **Error:** {r['error']}" if r.get("error") else "") + ".")
     return "\n".join(lines) + "\n"

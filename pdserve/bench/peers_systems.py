@@ -95,10 +95,11 @@ def omp_cores() -> str:
 def vllm_env(paths: PeerPaths) -> dict[str, str]:
     """vLLM's tuned CPU settings (peers.md): OMP bound to two cores, tcmalloc and Intel OpenMP
     preloaded where present, 4 GiB of KV, and the dev-mode route that resets its prefix
-    cache."""
+    cache. Its compile cache stays in the peers' directory, not ~/.cache/vllm."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": omp_cores(),
            "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_SPACE_GIB),
-           "VLLM_SERVER_DEV_MODE": "1"}
+           "VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_CACHE_ROOT": str(paths.root / "vllm-cache")}
     preload = [str(p) for p in (paths.tcmalloc, paths.iomp) if p.exists()]
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
