@@ -71,6 +71,21 @@ def test_workloads_match_peers_md():
     assert (d.num_requests, dict(d.params)) == (1, {"input_len": 128, "output_len": 128})
 
 
+def test_workload_requests_are_the_seeded_ones():
+    """The exact token totals with the real SmolLM2 tokenizer: every system gets these."""
+    from pdserve.engine.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    reqs = {k: w.requests(tok, 0) for k, w in WORKLOADS.items()}
+    totals = {k: (len(r), sum(x.prompt_tokens for x in r), sum(x.output_tokens for x in r))
+              for k, r in reqs.items()}
+    assert totals == {"a": (64, 11326, 5846), "b": (32, 8192, 4096), "c": (64, 11326, 5846),
+                      "d": (1, 128, 128)}
+    assert [r.prompt for r in reqs["a"]] == [r.prompt for r in reqs["c"]]  # shared prompts
+    assert all(r.arrival_s == 0 for k in "abd" for r in reqs[k])
+    assert 25 < reqs["c"][-1].arrival_s < 40  # 63 Poisson gaps at 2 req/s
+
+
 # ---------------------------------------------------------------------------- command lines
 
 

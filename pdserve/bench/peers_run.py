@@ -254,6 +254,17 @@ def measure_system(paths: PeerPaths, s: RunSettings, system: System, tokenizer: 
     return out
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def workload_dict(w: PeerWorkload) -> dict[str, Any]:
     """JSON-ready (no infinity: all-at-once is a rate of None)."""
     return dict(dataclasses.asdict(w), params=dict(w.params),
@@ -279,7 +290,7 @@ def run(paths: PeerPaths, s: RunSettings, out_dir: Path) -> dict[str, Any]:
         merged[name]["run_command"] = s.command
         doc = {"command": s.command, "seed": s.seed,
                "machine": f"{platform.node()} ({len(os.sched_getaffinity(0))} cores usable, "
-                          f"{platform.processor() or platform.machine()})",
+                          f"{cpu_model()})",
                "workloads": {k: workload_dict(w) for k, w in WORKLOADS.items()},
                "prompt_tokens": {k: sum(r.prompt_tokens for r in v)
                                  for k, v in requests.items()},

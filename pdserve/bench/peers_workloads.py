@@ -1,7 +1,10 @@
 """The four workloads of the peers comparison, as `pdserve.bench.workloads` builds them.
 
-a  mixed-64 all at t=0 (seed 0: 17,646 prompt tokens, ~3.4k output tokens): throughput
-   under a burst;
+a  mixed-64 all at t=0 (prompts 32-512, outputs 16-256 tokens, log-uniform; seed 0: 11,326
+   prompt and 5,846 output tokens): throughput under a burst. peers.md's earlier run
+   reports 17,646 / ~3.4k for its mixed-64, from generator settings it does not record;
+   this is `pdserve.bench.workloads.mixed` with its defaults, as `pdserve.bench.offline`
+   uses it;
 b  fixed 256/128 x 32, all at t=0: throughput at one shape;
 c  mixed-64 Poisson at 2 req/s under SLO TTFT 2 s / TPOT 200 ms: latency under load;
 d  a single 128/128 request: the unloaded TTFT and TPOT.
