@@ -141,16 +141,15 @@ def test_llama_server_command(tmp_path):
 # ---------------------------------------------------------------------------- not built
 
 
-def test_run_refuses_unbuilt_peer_in_one_line(tmp_path):
-    env = {**os.environ, "PDSERVE_PEERS_DIR": str(tmp_path / "peers")}
+def test_run_refuses_unbuilt_peer_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PDSERVE_PEERS_DIR", str(tmp_path / "peers"))
     for system, step in (("vllm-fp32", "vllm"), ("llamacpp-f16", "llamacpp")):
-        proc = subprocess.run(
-            [sys.executable, "-m", "pdserve.bench.peers", "run", "--systems",
-             f"pdserve-fp32,{system}", "--out-dir", str(tmp_path / "out")],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1, proc.stderr
+        rc = peers.main(["run", "--systems", f"pdserve-fp32,{system}",
+                         "--out-dir", str(tmp_path / "out")])
+        captured = capsys.readouterr()
+        assert rc == 2 and captured.out == ""
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1, captured.err
         assert lines[0].startswith(f"python -m pdserve.bench.peers run: {system} is not built")
         assert lines[0].endswith(f"`python -m pdserve.bench.peers build --only {step}`")
     assert not (tmp_path / "out").exists()  # refused before anything started or was written
