@@ -93,6 +93,7 @@ class LlamaModel:
         self._init_rope(hf_config)
         # the per-device ops (C on the CPU, Triton on CUDA, else eager torch)
         self.ops = layer_ops(device)
+        self._decode_stack: tuple[PagedKVCache, Any] | None = None
 
     def _init_rope(self, hf_config: Any) -> None:
         # The model's own RoPE parameters (theta, scaling type) as transformers computes them.
@@ -121,6 +122,11 @@ class LlamaModel:
         """Logits [S, vocab] (float32) for the selected rows."""
         d = self.dims
         t = input_ids.shape[0]
+        stack = self._stack_for(t, kv_cache, meta, backend, layer_hook)
+        if stack is not None:
+            h = stack.run(self.embed[input_ids], positions, meta.slot_mapping,
+                          meta.seq_lens, meta.block_tables)
+            return self.ops.linear(h[logits_indices], self.lm_head).float()
         q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         scale = d.head_dim ** -0.5
         ops, eps = self.ops, d.rms_norm_eps
@@ -148,3 +154,25 @@ class LlamaModel:
         # the last layer's residual add only for the rows logits are computed for
         x = ops.add_rms_norm(x[logits_indices], mlp[logits_indices], self.final_norm, eps)
         return linear(x, self.lm_head).float()
+
+    def _stack_for(self, t: int, kv_cache: PagedKVCache, meta: AttentionMetadata,
+                   backend: AttentionBackend, layer_hook: LayerHook | None) -> Any:
+        """The C decode stack (pdserve.engine.cpu_kernels.decode_stack) when this step can
+        take it: C layer ops and C attention, a pure decode of at most GEMV_MAX_ROWS rows,
+        no layer hook, no padded row; else None (the layer loop below)."""
+        from pdserve.engine.layers.linear import GEMV_MAX_ROWS
+
+        if (self.ops.name != "cpu" or backend.name != "cpu" or layer_hook is not None
+                or t > GEMV_MAX_ROWS or meta.num_decodes != t or t == 0):
+            return None
+        if self._decode_stack is None or self._decode_stack[0] is not kv_cache:
+            from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
+
+            try:
+                self._decode_stack = (kv_cache, CpuDecodeStack(self, kv_cache.data))
+            except ValueError:  # a layout the stack does not take: the loop, every step
+                self._decode_stack = (kv_cache, None)
+        stack = self._decode_stack[1]
+        if stack is None or int(meta.slot_mapping.min()) < 0:
+            return None
+        return stack

@@ -135,14 +135,9 @@ static void rows(const float *xf, const void *w, void *y, int64_t y_stride, int6
     }
 }
 
-/* y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) @ w [N, K]^T, all of dtype
- * dt, w contiguous. Returns 0, or -1 when the float32 copy of x cannot be allocated. */
-int gv_linear(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride,
-              int64_t M, int64_t N, int64_t K, int dt, int num_threads)
+/* x [M, K] (row stride x_stride, dtype dt) widened into xf [M, K] float32. */
+void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, int dt)
 {
-    float *xf = malloc((size_t)(M * K) * sizeof(float));
-    if (!xf)
-        return -1;
     for (int64_t b = 0; b < M; b++) {
         if (dt == DT_F32) {
             memcpy(xf + b * K, (const float *)x + b * x_stride, (size_t)K * sizeof(float));
@@ -153,21 +148,38 @@ int gv_linear(const void *x, int64_t x_stride, const void *w, void *y, int64_t y
                 xf[b * K + k] = bf16_to_f32(s[k]);
         }
     }
-    /* each thread one contiguous run of rows: one stream per core */
+}
+
+/* Thread t of nt's share of y = xf @ w^T: one contiguous run of rows, one stream per core.
+ * Called inside a parallel region by every thread of it. */
+void gv_part(const float *xf, const void *w, void *y, int64_t y_stride, int64_t M, int64_t N,
+             int64_t K, int dt, int t, int nt)
+{
+    const int64_t per = (N + nt - 1) / nt;
+    const int64_t n0 = t * per;
+    const int64_t n1 = n0 + per < N ? n0 + per : N;
+    if (n0 < n1)
+        rows(xf, w, y, y_stride, M, n0, n1, K, dt);
+}
+
+/* y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) @ w [N, K]^T, all of dtype
+ * dt, w contiguous. Returns 0, or -1 when the float32 copy of x cannot be allocated. */
+int gv_linear(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride,
+              int64_t M, int64_t N, int64_t K, int dt, int num_threads)
+{
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf)
+        return -1;
+    gv_widen(x, x_stride, xf, M, K, dt);
     const int threads = N * K >= PARALLEL_MIN_WEIGHTS && num_threads > 1
                             ? (N < num_threads ? (int)N : num_threads) : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #ifdef _OPENMP
-        const int t = omp_get_thread_num();
+        gv_part(xf, w, y, y_stride, M, N, K, dt, omp_get_thread_num(), omp_get_num_threads());
 #else
-        const int t = 0;
+        gv_part(xf, w, y, y_stride, M, N, K, dt, 0, 1);
 #endif
-        const int64_t per = (N + threads - 1) / threads;
-        const int64_t n0 = t * per;
-        const int64_t n1 = n0 + per < N ? n0 + per : N;
-        if (n0 < n1)
-            rows(xf, w, y, y_stride, M, n0, n1, K, dt);
     }
     free(xf);
     return 0;

@@ -78,6 +78,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # gemv.c
     lib.gv_linear.argtypes = [p, i64, p, p, i64, i64, i64, i64, i32, i32]
     lib.gv_linear.restype = i32
+    # decode_stack.c
+    lib.ds_decode_layers.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, p, p, i64, i64, i32]
+    lib.ds_decode_layers.restype = i32
 
 
 def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:

@@ -1,0 +1,124 @@
+"""The Python side of decode_stack.c: `CpuDecodeStack`, every decoder layer of a CPU decode
+step in one C call (the model's layer loop, kernel for kernel, without a Python dispatch
+per kernel).
+
+Life cycle: built once per (model, KV cache) by the model, which checks there every
+weight's shape, dtype and layout and the cache's; `run` then checks only what changes per
+step (the rows' positions, slots, lengths and block tables; the C side re-checks positions
+and slots as it reads them), so nothing reaches C that could read or write outside the
+tensors given.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
+from pdserve.engine.cpu_kernels.paged_decode import MAX_HEAD_DIM, check_tables
+
+
+class DsModel(ctypes.Structure):
+    """struct ds_model in decode_stack.c."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in (
+        "L", "H", "Hq", "Hkv", "D", "I", "max_position", "block_size", "cache_layer_stride")
+    ] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dt", ctypes.c_int),
+         ("kv_dt", ctypes.c_int)]
+
+
+_ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers"),
+           -2: (ValueError, "a position is outside the RoPE tables"),
+           -3: (MemoryError, "the paged decode kernel could not allocate its scratch memory"),
+           -4: (ValueError, "a slot is outside the KV cache")}
+
+
+class CpuDecodeStack:
+    """All layers of a decode step for `model` (a pdserve.engine.llama.LlamaModel) over
+    `kv_data` ([L, 2, num_blocks, block_size, Hkv, D], contiguous)."""
+
+    def __init__(self, model, kv_data: torch.Tensor) -> None:
+        d = model.dims
+        dt = model.dtype
+        if dt not in DTYPE_CODES or kv_data.dtype not in DTYPE_CODES:
+            raise ValueError(f"model and cache must be float32 or bfloat16, got {dt} and "
+                             f"{kv_data.dtype}")
+        if kv_data.dtype != dt and not (dt == torch.float32 and kv_data.dtype == torch.bfloat16):
+            raise ValueError(f"a {dt} model over a {kv_data.dtype} cache is not supported")
+        if d.head_dim > MAX_HEAD_DIM or d.num_heads % d.num_kv_heads:
+            raise ValueError(f"head_dim {d.head_dim} / heads {d.num_heads}:{d.num_kv_heads} "
+                             "are not supported by the decode kernel")
+        shape = (d.num_layers, 2, kv_data.shape[2], kv_data.shape[3], d.num_kv_heads,
+                 d.head_dim)
+        if kv_data.device.type != "cpu" or tuple(kv_data.shape) != shape or not (
+                kv_data.is_contiguous()):
+            raise ValueError(f"kv cache must be a contiguous CPU {shape}, got "
+                             f"{tuple(kv_data.shape)}")
+        h, q, kv, i = (d.hidden_size, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim,
+                       d.intermediate_size)
+        want = {"input_norm": (h,), "qkv": (q + 2 * kv, h), "o": (h, q), "post_norm": (h,),
+                "gate_up": (2 * i, h), "down": (h, i)}
+        pointers = []
+        for n, layer in enumerate(model.layers):
+            for name, wshape in want.items():
+                t = getattr(layer, name)
+                if (t.device.type != "cpu" or t.dtype != dt or tuple(t.shape) != wshape
+                        or not t.is_contiguous()):
+                    raise ValueError(f"layer {n} {name} must be a contiguous {dt} {wshape}, "
+                                     f"got {t.dtype} {tuple(t.shape)}")
+                pointers.append(t.data_ptr())
+        for name, t in (("final_norm", model.final_norm), ("cos", model.cos),
+                        ("sin", model.sin)):
+            if t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dt}")
+        if model.cos.shape != (d.max_position, d.head_dim) or model.sin.shape != model.cos.shape:
+            raise ValueError("cos/sin must be [max_position, head_dim]")
+        self._lib = load()
+        # the tensors whose memory C reads, held so their pointers stay valid
+        self._keep = (model, kv_data)
+        self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._kv = kv_data
+        self._model = model
+        self._num_slots = kv_data.shape[2] * kv_data.shape[3]
+        self._dims = DsModel(
+            L=d.num_layers, H=h, Hq=d.num_heads, Hkv=d.num_kv_heads, D=d.head_dim, I=i,
+            max_position=d.max_position, block_size=kv_data.shape[3],
+            cache_layer_stride=kv_data.stride(0), eps=d.rms_norm_eps,
+            scale=d.head_dim ** -0.5, dt=DTYPE_CODES[dt], kv_dt=DTYPE_CODES[kv_data.dtype])
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states [M, H] of M decode rows; x [M, H] (the
+        embeddings) is the residual stream, updated in place. positions and slots: int64
+        [M]; seq_lens: int32 [M] (context after this token); block_tables: int32
+        [M, max_blocks] with contiguous rows."""
+        m = self._model
+        t = x.shape[0]
+        if (x.dtype != m.dtype or x.dim() != 2 or x.shape[1] != m.dims.hidden_size
+                or not x.is_contiguous() or x.device.type != "cpu"):
+            raise ValueError(f"x must be a contiguous {m.dtype} [M, {m.dims.hidden_size}], "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        for name, v, dtype in (("positions", positions, torch.int64),
+                               ("slots", slots, torch.int64),
+                               ("seq_lens", seq_lens, torch.int32)):
+            if v.dtype != dtype or v.shape != (t,) or not v.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dtype} [{t}], got {v.dtype} "
+                                 f"{tuple(v.shape)}")
+        if (block_tables.dtype != torch.int32 or block_tables.dim() != 2
+                or block_tables.shape[0] != t
+                or (block_tables.shape[1] > 1 and block_tables.stride(1) != 1)):
+            raise ValueError(f"block_tables must be int32 [{t}, max_blocks] with contiguous "
+                             f"rows, got {block_tables.dtype} {tuple(block_tables.shape)}")
+        check_tables(seq_lens, block_tables, self._kv[0, 0])
+        out = torch.empty_like(x)
+        rc = self._lib.ds_decode_layers(
+            ctypes.byref(self._dims), self._weights, m.final_norm.data_ptr(),
+            self._kv.data_ptr(), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), m.cos.data_ptr(), m.sin.data_ptr(), self._num_slots, t,
+            torch.get_num_threads())
+        if rc:
+            error, message = _ERRORS[rc]
+            raise error(message)
+        return out

@@ -1,0 +1,109 @@
+"""The C decode stack (engine/cpu_kernels/decode_stack.c): a CPU decode step's layers in one
+call must give the model's layer loop's tokens exactly (same kernels, same order), take only
+the steps it is meant for, and refuse bad rows before writing anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pdserve.engine.llama as llama
+from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
+from pdserve.engine.layers.linear import GEMV_MAX_ROWS
+from pdserve.protocol import SamplingParams
+from tests.conftest import tiny_engine
+
+PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "1, 2, 3,",
+           "Hello", "A B C D E F G"]
+
+
+def _generate(engine, prompts, use_stack: bool, monkeypatch, **params):
+    calls = []
+    real = llama.LlamaModel._stack_for
+
+    def spy(self, *a, **k):
+        stack = real(self, *a, **k) if use_stack else None
+        calls.append(stack is not None)
+        return stack
+
+    monkeypatch.setattr(llama.LlamaModel, "_stack_for", spy)
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    outs = engine.generate(ids, SamplingParams(max_tokens=24, ignore_eos=True, **params))
+    monkeypatch.setattr(llama.LlamaModel, "_stack_for", real)
+    return [o.token_ids for o in outs], calls
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("float32", None), ("bfloat16", None),
+                                            ("float32", "bfloat16")])
+def test_same_tokens_as_the_layer_loop(tiny_model_dir, dtype, kv_dtype, monkeypatch):
+    engine = tiny_engine(tiny_model_dir, dtype=dtype, kv_cache_dtype=kv_dtype)
+    assert len(PROMPTS) > GEMV_MAX_ROWS
+    for n in (1, 3, len(PROMPTS)):
+        loop, _ = _generate(engine, PROMPTS[:n], False, monkeypatch, temperature=0.0)
+        stack, used = _generate(engine, PROMPTS[:n], True, monkeypatch, temperature=0.0)
+        assert stack == loop
+        # every row decodes to the same length: a batch past GEMV_MAX_ROWS never shrinks
+        assert any(used) == (n <= GEMV_MAX_ROWS)
+    seeded_loop, _ = _generate(engine, PROMPTS[:2], False, monkeypatch, temperature=0.8, seed=7)
+    seeded_stack, _ = _generate(engine, PROMPTS[:2], True, monkeypatch, temperature=0.8, seed=7)
+    assert seeded_stack == seeded_loop
+
+
+def test_taken_only_for_small_pure_decode_steps(tiny_model_dir, monkeypatch):
+    engine = tiny_engine(tiny_model_dir)
+    seen = []
+    real = CpuDecodeStack.run
+
+    def spy(self, x, *a):
+        seen.append(x.shape[0])
+        return real(self, x, *a)
+
+    monkeypatch.setattr(CpuDecodeStack, "run", spy)
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    # the prefill step of three prompts is not a pure decode; the 7 decode steps are
+    assert seen == [3] * 7
+
+
+def _stack_and_step(engine):
+    model, kv = engine.model, engine.kv_cache
+    stack = CpuDecodeStack(model, kv.data)
+    d = model.dims
+    x = model.embed[torch.tensor([5, 6])].clone()
+    step = dict(positions=torch.tensor([3, 4]), slots=torch.tensor([16, 33]),
+                seq_lens=torch.tensor([4, 5], dtype=torch.int32),
+                block_tables=torch.tensor([[1, 0], [2, 0]], dtype=torch.int32))
+    return stack, x, step, d, kv
+
+
+def test_bad_rows_are_refused_before_any_write(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir)
+    stack, x, step, d, kv = _stack_and_step(engine)
+    before = kv.data.clone()
+    num_slots = kv.data.shape[2] * kv.data.shape[3]
+    for field, bad, match in (("slots", torch.tensor([16, num_slots]), "slot is outside"),
+                              ("slots", torch.tensor([-1, 3]), "slot is outside"),
+                              ("positions", torch.tensor([3, d.max_position]), "position"),
+                              ("seq_lens", torch.tensor([4, 0], dtype=torch.int32), "seq_lens"),
+                              ("block_tables", torch.tensor([[1, 0], [kv.data.shape[2], 0]],
+                                                            dtype=torch.int32), "block id"),
+
+                              ("positions", torch.tensor([3, 4], dtype=torch.int32), "int64")):
+        args = dict(step, **{field: bad})
+        with pytest.raises(ValueError, match=match):
+            stack.run(x.clone(), **args)
+    # slots and tables are checked before the layers, positions at the first RoPE, which
+    # comes before the first store: nothing was written
+    assert torch.equal(kv.data, before)
+    out = stack.run(x.clone(), **step)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    assert not torch.equal(kv.data, before)  # the good step stored its K/V
+
+
+def test_layouts_it_does_not_take_are_refused(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir)
+    model, kv = engine.model, engine.kv_cache
+    with pytest.raises(ValueError, match="kv cache must be"):
+        CpuDecodeStack(model, kv.data[:, :, :4].clone()[:1])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        CpuDecodeStack(model, kv.data.half())
