@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(n)
-                for n in ("paged_decode.c", "paged_prefill.c", "layer_ops.c"))
+                for n in ("paged_decode.c", "paged_prefill.c", "layer_ops.c", "kv_ingest.c"))
 HEADERS = (pathlib.Path(__file__).with_name("common.h"),)
 # -ffast-math lets gcc vectorise the float reductions (dot products, sums) and exp2f (kept:
 # see the measurement above);

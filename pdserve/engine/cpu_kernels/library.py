@@ -75,6 +75,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lo_rope.restype = i64
     lib.lo_silu_mul.argtypes = [p, p, i64, i32, i32, i32]
     lib.lo_silu_mul.restype = None
+    # kv_ingest.c
+    lib.ki_ingest_blocks.argtypes = [p, p, p, p, p, i64, i64]
+    lib.ki_ingest_blocks.restype = ctypes.c_uint32
 
 
 def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:
