@@ -12,13 +12,7 @@
  * slicing-by-8 tables in portable C.
  *
  * Copy and checksum share each 8-byte load, so a byte goes through the core once: loaded,
- * folded into its lane's CRC, stored into the cache block. The SSE4.2 path stores with
- * non-temporal (streaming) stores: the blocks are not read again until the sequence's first
- * decode step, and a 4k-token prompt's KV (~190 MB) is far larger than the caches, so
- * writing around them saves reading each destination line in first. Measured in one
- * process on the 2-core dev machine (189 MB, SmolLM2 layout, min of 10 interleaved rounds,
- * the source just written as the sender leaves it): 8.3-8.8 GB/s with plain stores,
- * 11.7-11.9 with streaming ones.
+ * folded into its lane's CRC, stored into the cache block.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,7 +20,7 @@
 #include "common.h"
 
 #if defined(__x86_64__) && defined(__SSE4_2__)
-#include <immintrin.h>
+#include <nmmintrin.h>
 #define KI_HW 1
 #else
 #define KI_HW 0
@@ -126,9 +120,9 @@ INLINE uint32_t copy_crc_lanes(uint32_t crc, uint8_t *dst, const uint8_t *src, s
         c0 = _mm_crc32_u64(c0, a);
         c1 = _mm_crc32_u64(c1, b);
         c2 = _mm_crc32_u64(c2, c);
-        _mm_stream_si64((long long *)(dst + i), (long long)a);
-        _mm_stream_si64((long long *)(dst + lane + i), (long long)b);
-        _mm_stream_si64((long long *)(dst + 2 * lane + i), (long long)c);
+        memcpy(dst + i, &a, 8);
+        memcpy(dst + lane + i, &b, 8);
+        memcpy(dst + 2 * lane + i, &c, 8);
     }
     uint32_t r = zeros(tables, (uint32_t)c0) ^ (uint32_t)c1;
     return zeros(tables, r) ^ (uint32_t)c2;
@@ -182,8 +176,5 @@ uint32_t ki_ingest_blocks(const void *k, const void *v, void *k_cache, void *v_c
         for (int64_t i = 0; i < n; i++, src += block_bytes)
             crc = copy_crc(crc, cache + block_ids[i] * block_bytes, src, (size_t)block_bytes);
     }
-#if KI_HW
-    _mm_sfence(); /* the streaming stores are visible to every thread before this returns */
-#endif
     return ~crc;
 }
