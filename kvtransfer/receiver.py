@@ -10,7 +10,7 @@ Life cycle of one transfer (one Push stream, one reservation):
                                 layer, dtype, shape, block indices, size), then written
                                 through `KVSink.write_kv`, which checks the payload's
                                 crc32c as it copies; a mismatch refuses the stream at
-                                the next message or at the commit, whichever sees it first
+                                the next message, at the commit, or at the stream's end
     KVCommit                 -> chunk count and coverage of every (layer, block) checked,
                                 then `KVSink.commit_kv` (awaited; the engine checks the
                                 token ids); the sequence joins the decode batch
@@ -180,6 +180,8 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
             else:  # abort
                 raise _Reject(grpc.StatusCode.CANCELLED,
                               f"sender aborted: {body.reason}", abort_reservation=True)
+        if state:  # a chunk's failed checksum is the better reason, as if seen in time
+            await self._await_verdicts(state[0])
         raise KVChunkError("commit", "stream ended without a KVCommit")
 
     def _open(self, reservation_id: str, secret: str) -> _Transfer:
@@ -221,6 +223,12 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                               "push", abort_reservation=True)
             if error is not None:
                 raise error
+
+    async def _await_verdicts(self, transfer: _Transfer) -> None:
+        """Waits for every write the sink has not finished, then `_check_verdicts`."""
+        for _, verdict in transfer.pending:
+            await asyncio.wait([asyncio.wrap_future(verdict)])  # its outcome: below
+        self._check_verdicts(transfer)
 
     def _payload(self, transfer: _Transfer, chunk: kvtransfer_pb2.KVChunk,
                  payload: memoryview | bytes) -> memoryview | bytes:
