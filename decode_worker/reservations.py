@@ -7,7 +7,8 @@ Life cycle of a reservation (the table's side runs on the event loop thread):
 
     reserve()      OPEN       the connector holds blocks for a WAITING_FOR_KV sequence; a
                               one-time secret issued, which every KV push into it must show
-    write_kv()     OPEN       K/V queued to the engine thread, copied into those blocks
+    write_kv()     OPEN       K/V queued to the engine thread, copied into those blocks and
+                              checked against the chunk's CRC-32C there
     commit_kv()    COMMITTED  (awaited) the connector checks the first token and the
                               sequence runs; a refused commit reopens it for the abort
     abort_kv() / release() / expiry   gone: the connector frees the blocks
@@ -20,6 +21,7 @@ that were handed to someone else.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
 import time
@@ -119,11 +121,12 @@ class ReservationTable:
         return None if e is None or e.committed else e.secret
 
     def write_kv(self, reservation_id: str, layer: int, block_indices: list[int],
-                 k: torch.Tensor, v: torch.Tensor) -> None:
+                 k: torch.Tensor, v: torch.Tensor, crc32c: int
+                 ) -> concurrent.futures.Future:
         e = self._open.get(reservation_id)
         if e is None or e.committed:
             raise KeyError(reservation_id)
-        self.aengine.write_kv(e.request_id, layer, block_indices, k, v)
+        return self.aengine.write_kv(e.request_id, layer, block_indices, k, v, crc32c)
 
     async def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None:
         e = self._open.get(reservation_id)

@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from pdserve.engine.kv_blocks import copy_blocks
+from pdserve.engine.kv_blocks import ingest_blocks
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.sink import KVCommitInfo
@@ -33,6 +33,7 @@ class InMemoryKVSink:
         self._secrets: dict[str, str] = {}
         self.commits: dict[str, KVCommitInfo] = {}
         self.aborts: dict[str, str] = {}  # reservation id -> reason
+        self._failed: set[str] = set()  # open reservations a checksum failed in
 
     @property
     def kv_spec(self) -> KVCacheSpec:
@@ -80,22 +81,30 @@ class InMemoryKVSink:
 
     def write_kv(
         self, reservation_id: str, layer: int, block_indices: list[int],
-        k: torch.Tensor, v: torch.Tensor,
+        k: torch.Tensor, v: torch.Tensor, crc32c: int,
     ) -> None:
         with self._lock:
             table = self._open[reservation_id]
             phys = [table[i] for i in block_indices]
-            copy_blocks(self.cache.key(layer), phys, k)
-            copy_blocks(self.cache.value(layer), phys, v)
+            # a reservation's blocks are its alone from the free list until abort or release
+            try:
+                ingest_blocks(self.cache.key(layer), self.cache.value(layer), phys, k, v,
+                              crc32c, exclusive=True)
+            except ValueError:
+                self._failed.add(reservation_id)
+                raise
 
     async def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None:
         with self._lock:
+            if reservation_id in self._failed:
+                raise ValueError("crc32c: a chunk of this reservation failed its checksum")
             self._committed[reservation_id] = self._open.pop(reservation_id)
             self.commits[reservation_id] = commit
 
     def abort_kv(self, reservation_id: str, reason: str) -> None:
         with self._lock:
             table = self._open.pop(reservation_id, None)
+            self._failed.discard(reservation_id)
             if table is None:
                 return
             self._free.extend(table)

@@ -6,9 +6,11 @@ Life cycle of one transfer (one Push stream, one reservation):
     stream opens             -> its `x-pdserve-reservation-secret` metadata compared with
                                 the reservation's secret: a stranger gets PERMISSION_DENIED
                                 and the reservation stays as it was
-    KVChunk*                 -> each chunk validated in full (reservation, seq, layer,
-                                dtype, shape, block indices, size, crc32c), then written
-                                through `KVSink.write_kv`
+    KVChunk*                 -> each chunk's header validated in full (reservation, seq,
+                                layer, dtype, shape, block indices, size), then written
+                                through `KVSink.write_kv`, which checks the payload's
+                                crc32c as it copies; a mismatch refuses the stream at
+                                the next message, at the commit, or at the stream's end
     KVCommit                 -> chunk count and coverage of every (layer, block) checked,
                                 then `KVSink.commit_kv` (awaited; the engine checks the
                                 token ids); the sequence joins the decode batch
@@ -21,8 +23,15 @@ Statuses: NOT_FOUND (unknown, expired or already finished reservation), PERMISSI
 (wrong or missing secret), INVALID_ARGUMENT
 (malformed chunk or commit; the details start with the field's name), FAILED_PRECONDITION
 (another stream feeds the same reservation; that one is left alone), CANCELLED (the sender
-sent KVAbort), INTERNAL (the sink failed). A chunk is never written before it has passed
-validation, so bad bytes never reach the cache.
+sent KVAbort), INTERNAL (the sink failed).
+
+Trust. Nothing is written before its header has passed validation, so a chunk can only
+ever address its own reservation's blocks. Its payload's CRC-32C is checked as the sink
+copies it (one pass over the bytes, `pdserve.engine.kv_blocks.ingest_blocks`), so a corrupt
+payload may land in the reservation's own blocks — which no other sequence holds or reads,
+and which are not in any prefix cache — before the verdict; the verdict refuses the stream
+(INVALID_ARGUMENT, "crc32c: ...") and aborts the reservation, so those blocks are freed
+without ever being read. Bad bytes never reach a block anything else can read.
 
 Payload source: a chunk carries its payload in the message (gRPC transport) or, when the
 decode worker offered the reservation a shared-memory segment, a descriptor of where the
@@ -33,13 +42,14 @@ segment goes back to the pool for reuse after a commit, and is dropped on any ot
 
 Messages reach `Push` already split by `pdserve.kvtransfer.wire.parse_message` (registered as the
 method's deserializer in `add_to_server`): the chunk header parsed, the payload a view into
-the bytes gRPC received. From there to the cache the payload is read twice (CRC-32C, the
-copy into the cache) and copied once.
+the bytes gRPC received. From there to the cache the payload is read once: the copy into
+the cache, which takes the CRC-32C as it goes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -48,6 +58,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from pdserve.engine.kv_blocks import ChecksumMismatch
 from pdserve.kvtransfer.malloc_tuning import keep_freed_memory
 from pdserve.kvtransfer.shm import ShmSegmentPool
 from pdserve.kvtransfer.sink import KVSink
@@ -84,6 +95,8 @@ class _Transfer:
     num_bytes: int = 0
     shm_next: int = 0  # where the next shared-memory payload must start
     done: bool = field(default=False)
+    # writes the sink applies later, oldest first: (seq, its verdict)
+    pending: list[tuple[int, concurrent.futures.Future]] = field(default_factory=list)
 
 
 class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
@@ -159,6 +172,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                     f"{body.reservation_id!r} in a stream for {transfer.reservation_id!r}",
                 )
             self._check_open(transfer)
+            self._check_verdicts(transfer)
             if kind == "chunk":
                 self._write(transfer, body, self._payload(transfer, body, msg.payload))
             elif kind == "commit":
@@ -166,6 +180,8 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
             else:  # abort
                 raise _Reject(grpc.StatusCode.CANCELLED,
                               f"sender aborted: {body.reason}", abort_reservation=True)
+        if state:  # a chunk's failed checksum is the better reason, as if seen in time
+            await self._await_verdicts(state[0])
         raise KVChunkError("commit", "stream ended without a KVCommit")
 
     def _open(self, reservation_id: str, secret: str) -> _Transfer:
@@ -194,6 +210,26 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                           f"reservation {transfer.reservation_id!r} expired during the push",
                           abort_reservation=True)
 
+    def _check_verdicts(self, transfer: _Transfer) -> None:
+        """Raises for the first write the sink has finished that failed."""
+        while transfer.pending and transfer.pending[0][1].done():
+            seq, verdict = transfer.pending.pop(0)
+            error = verdict.exception()
+            if isinstance(error, ChecksumMismatch):
+                raise KVChunkError("crc32c", f"chunk {seq}: payload checksum mismatch")
+            if isinstance(error, KeyError):
+                raise _Reject(grpc.StatusCode.NOT_FOUND,
+                              f"reservation {transfer.reservation_id!r} vanished during the "
+                              "push", abort_reservation=True)
+            if error is not None:
+                raise error
+
+    async def _await_verdicts(self, transfer: _Transfer) -> None:
+        """Waits for every write the sink has not finished, then `_check_verdicts`."""
+        for _, verdict in transfer.pending:
+            await asyncio.wait([asyncio.wrap_future(verdict)])  # its outcome: below
+        self._check_verdicts(transfer)
+
     def _payload(self, transfer: _Transfer, chunk: kvtransfer_pb2.KVChunk,
                  payload: memoryview | bytes) -> memoryview | bytes:
         """The chunk's payload: the message's own, or the bytes its descriptor names."""
@@ -218,7 +254,8 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                payload: memoryview | bytes) -> None:
         if chunk.seq != transfer.num_chunks:
             raise KVChunkError("seq", f"{chunk.seq}, expected {transfer.num_chunks}")
-        decoded = decode_chunk(chunk, self._spec, transfer.num_blocks, payload)
+        decoded = decode_chunk(chunk, self._spec, transfer.num_blocks, payload,
+                               check_crc32c=False)  # the sink's copy checks it
         row = transfer.received[decoded.layer]
         already = [i for i in decoded.block_indices if row[i]]
         if already:
@@ -226,12 +263,18 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                 "block_indices", f"layer {decoded.layer} blocks {already[:8]} sent twice"
             )
         try:
-            self._sink.write_kv(transfer.reservation_id, decoded.layer, decoded.block_indices,
-                                decoded.k, decoded.v)
+            verdict = self._sink.write_kv(transfer.reservation_id, decoded.layer,
+                                          decoded.block_indices, decoded.k, decoded.v,
+                                          decoded.crc32c)
+        except ChecksumMismatch:
+            raise KVChunkError("crc32c", f"chunk {chunk.seq}: payload checksum mismatch"
+                               ) from None
         except KeyError:
             raise _Reject(grpc.StatusCode.NOT_FOUND,
                           f"reservation {transfer.reservation_id!r} vanished during the push",
                           abort_reservation=True) from None
+        if verdict is not None:
+            transfer.pending.append((chunk.seq, verdict))
         row[decoded.block_indices] = True
         transfer.num_chunks += 1
         transfer.num_bytes += decoded.num_bytes
@@ -265,6 +308,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                           f"reservation {transfer.reservation_id!r} vanished before its commit",
                           abort_reservation=True) from None
         except ValueError as e:  # the engine refused a field, e.g. first_token_id
+            self._check_verdicts(transfer)  # a failed checksum, named with its chunk
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, str(e), True) from None
         transfer.done = True
         self._active.discard(transfer.reservation_id)

@@ -32,10 +32,13 @@ Life cycle of a segment:
                             other transfer reads.
     worker stop             `close()`: every segment unlinked
 
-Trust: the segment is as private as the user both workers run as. The receiver checks
-the CRC-32C of a chunk when its descriptor arrives and the engine copies it later, so the
-sender must not write a chunk's bytes again once its descriptor is sent (ours never does;
-any process of that user could, as it could ptrace either worker).
+Trust: the segment is as private as the user both workers run as. The decode engine
+takes a chunk's CRC-32C as it copies the bytes into the reservation's blocks, in one read
+(`pdserve.engine.kv_blocks.ingest_blocks`), so the bytes checked are the bytes copied; a
+mismatch refuses the stream and aborts the reservation, whose blocks nothing else reads
+(`pdserve.kvtransfer.receiver`, Trust). The sender must still not write a chunk's bytes
+again once its descriptor is sent (ours never does; any process of that user could, as it
+could ptrace either worker): a rewrite racing the copy would be caught only by chance.
 
 Either side dying: if the sender dies, its Push stream breaks, the receiver aborts the
 reservation and the segment is unlinked (not clean). If the decode worker dies, its Push

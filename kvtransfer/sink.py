@@ -1,14 +1,17 @@
 """The receiving end's contract: `KVSink`, which the decode worker implements over its
 engine's KV connector, and `KVCommitInfo`, what a finished transfer hands it.
 
-The receiver (`pdserve.kvtransfer.receiver`) validates every chunk before it calls the
-sink, so a sink only moves tensors on and keeps its own bookkeeping. Calls come from the
-decode worker's event loop thread and never block it: a sink over an engine queues writes
-to the engine thread, and `commit_kv` is a coroutine that waits for the engine.
+The receiver (`pdserve.kvtransfer.receiver`) validates every chunk header before it calls
+the sink and leaves the payload's CRC-32C to the sink, which checks it as it copies (one
+pass over the bytes: `pdserve.engine.kv_blocks.ingest_blocks`); otherwise a sink only moves
+tensors on and keeps its own bookkeeping. Calls come from the decode worker's event loop
+thread and never block it: a sink over an engine queues writes to the engine thread, and
+`commit_kv` is a coroutine that waits for the engine.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -53,11 +56,17 @@ class KVSink(Protocol):
     - `reservation_num_blocks` is the number of blocks the transfer must fill,
       `ceil(num_prompt_tokens / block_size)`. It returns None for an unknown reservation
       and for one that no longer accepts KV (committed, aborted or expired).
-    - `write_kv` receives validated tensors `[n, block_size, kv_heads, head_dim]` of the
-      spec's dtype on the CPU: read-only views of the received message (no copy was made),
-      which the sink copies into its cache (at once, or later but before the commit: the
-      views keep the message alive) and must not write to. It raises KeyError if the
-      reservation is gone.
+    - `write_kv` receives tensors `[n, block_size, kv_heads, head_dim]` of the spec's dtype
+      on the CPU, every header field validated: read-only views of the received message or
+      segment (no copy was made), which the sink copies into its cache (at once, or later
+      but before the commit: the views keep the message alive) and must not write to; and
+      `crc32c`, the chunk's stated CRC-32C of k's bytes then v's, which the sink checks.
+      The bytes may reach the reservation's own blocks before that check, never a block
+      anything else can read; a mismatch fails the reservation: its commit raises
+      ValueError("crc32c: ..."). It returns None when the write is done and checked (a
+      mismatch raised `ChecksumMismatch`, a ValueError, from the call), or a future that
+      resolves when it is (None, or the error: `ChecksumMismatch`, KeyError). It raises
+      KeyError if the reservation is gone.
     - `commit_kv` (awaited) is called once, after every (layer, block) was written; from
       then on the sequence belongs to the decode scheduler, which frees the blocks when it
       finishes. It raises ValueError (the message starting with the field) when the
@@ -75,8 +84,8 @@ class KVSink(Protocol):
 
     def write_kv(
         self, reservation_id: str, layer: int, block_indices: list[int],
-        k: torch.Tensor, v: torch.Tensor,
-    ) -> None: ...
+        k: torch.Tensor, v: torch.Tensor, crc32c: int,
+    ) -> concurrent.futures.Future | None: ...
 
     async def commit_kv(self, reservation_id: str, commit: KVCommitInfo) -> None: ...
 

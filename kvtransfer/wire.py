@@ -70,6 +70,7 @@ class DecodedChunk:
     k: torch.Tensor  # [n, block_size, kv_heads, head_dim], a read-only view, CPU
     v: torch.Tensor  # same
     num_bytes: int  # payload bytes
+    crc32c: int  # the CRC-32C the header states for the payload (checked unless asked not)
 
 
 @dataclass(frozen=True)
@@ -322,12 +323,14 @@ def parse_message(raw: bytes) -> WireMessage:
 
 def decode_chunk(
     chunk: kvtransfer_pb2.KVChunk, spec: KVCacheSpec, num_reserved_blocks: int,
-    payload: memoryview | bytes | None = None,
+    payload: memoryview | bytes | None = None, *, check_crc32c: bool = True,
 ) -> DecodedChunk:
     """Checks every header field and the payload, then returns the K and V tensors.
 
     payload: the chunk's payload when it was kept apart from the header (as
-    `parse_message` does); None to use `chunk.payload`. Raises KVChunkError naming the
+    `parse_message` does); None to use `chunk.payload`. check_crc32c=False leaves the
+    payload's checksum to the caller (the receiver's sink takes it while copying the
+    bytes into the cache); every other check still runs. Raises KVChunkError naming the
     first field that is wrong. reservation_id and seq are stream-level facts and are
     checked by the receiver.
     """
@@ -357,7 +360,7 @@ def decode_chunk(
     expected = 2 * n * spec.block_bytes
     if size != expected:
         raise KVChunkError("payload", f"{size} bytes, expected {expected}")
-    if crc32c(payload) != chunk.crc32c:
+    if check_crc32c and crc32c(payload) != chunk.crc32c:
         raise KVChunkError("crc32c", "payload checksum mismatch")
     # A read-only view of the payload, no copy: the sink copies it into the cache (its
     # only use), so the warning about a non-writable buffer does not apply.
@@ -365,7 +368,7 @@ def decode_chunk(
         warnings.simplefilter("ignore", UserWarning)
         kv = torch.frombuffer(payload, dtype=spec.torch_dtype)
     kv = kv.view(2, *shape)
-    return DecodedChunk(chunk.layer, indices, kv[0], kv[1], size)
+    return DecodedChunk(chunk.layer, indices, kv[0], kv[1], size, chunk.crc32c)
 def commit_to_proto(
     reservation_id: str, num_chunks: int, info: KVCommitInfo
 ) -> kvtransfer_pb2.KVCommit:

@@ -288,3 +288,130 @@ def test_prefix_hashes_bounded_newest_last(tiny_model_dir):
         assert_pool_clean(eng)
 
     asyncio.run(main())
+
+
+def _crc(k: torch.Tensor, v: torch.Tensor) -> int:
+    from crc32c import crc32c
+
+    return crc32c(v.numpy().tobytes(), crc32c(k.numpy().tobytes()))
+
+
+def test_checksum_checked_as_copied_only_own_blocks_touched(tiny_model_dir):
+    """A write with the sender's CRC-32C: good bytes land; bad bytes may land in the
+    reservation's own blocks only, the write raises, the commit is refused naming crc32c,
+    and the abort frees the blocks. Every other block keeps its bytes throughout."""
+    from pdserve.engine.kv_blocks import ChecksumMismatch
+
+    eng = tiny_engine(tiny_model_dir, block_size=16)
+    conn = eng.kv_connector
+    gen = torch.Generator().manual_seed(0)
+    eng.kv_cache.data.copy_(torch.randn(eng.kv_cache.data.shape, generator=gen))
+    phys = list(conn.reserve("r", PROMPT, GREEDY).block_ids)
+    others = [b for b in range(eng.pool.num_blocks) if b not in phys]
+    before = eng.kv_cache.data.clone()
+    shape = (len(phys), *eng.kv_spec.block_shape)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    conn.write("r", 0, range(len(phys)), k, v, _crc(k, v))
+    assert torch.equal(eng.kv_cache.key(0)[phys], k)
+    assert torch.equal(eng.kv_cache.value(0)[phys], v)
+    with pytest.raises(ChecksumMismatch, match="^crc32c"):
+        conn.write("r", 1, [2, 0], k[:2], v[:2], _crc(k[:2], v[:2]) ^ 1)
+    with pytest.raises(ValueError, match="^crc32c"):
+        conn.commit("r", 5)
+    # data: [layers, K/V, blocks, ...]
+    assert torch.equal(eng.kv_cache.data[:, :, others], before[:, :, others])
+    assert conn.abort("r").finish_reason == "abort"
+    assert_pool_clean(eng)
+
+
+@pytest.mark.parametrize("shared_by", ["ref_count", "prefix_hash"])
+def test_checksum_checked_before_copy_into_a_shared_block(tiny_model_dir, shared_by):
+    """Were a reservation's block ever held by someone else too (a second reference, or a
+    prefix-cache hash: not something `reserve` hands out), a write checks its bytes before
+    copying, so bad bytes leave even the reservation's blocks untouched."""
+    from pdserve.engine.kv_blocks import ChecksumMismatch
+
+    eng = tiny_engine(tiny_model_dir, block_size=16)
+    conn = eng.kv_connector
+    phys = list(conn.reserve("r", PROMPT, GREEDY).block_ids)
+    block = eng.pool.blocks[phys[1]]
+    if shared_by == "ref_count":
+        block.ref_count += 1
+    else:
+        block.block_hash = 12345
+    before = eng.kv_cache.data.clone()
+    shape = (len(phys), *eng.kv_spec.block_shape)
+    k, v = torch.ones(shape), torch.full(shape, 2.0)
+    with pytest.raises(ChecksumMismatch):
+        conn.write("r", 0, range(len(phys)), k, v, _crc(k, v) ^ 1)
+    assert torch.equal(eng.kv_cache.data, before)
+    if shared_by == "ref_count":
+        block.ref_count -= 1
+    else:
+        block.block_hash = None
+    assert conn.abort("r").finish_reason == "abort"
+    assert_pool_clean(eng)
+
+
+def test_corrupted_chunk_over_grpc_refused_by_the_engines_check(tiny_model_dir):
+    """Through a real decode worker, where the checksum is taken on the engine thread as
+    the chunk is copied: the push ends INVALID_ARGUMENT naming crc32c, the reservation is
+    aborted and its blocks freed, no block outside it changed, and every connector call
+    ran on the engine thread."""
+    from pdserve.kvtransfer.receiver import SECRET_METADATA
+    from pdserve.kvtransfer.wire import commit_to_proto, encode_layer
+    from pdserve.protos.pdserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+    async def main():
+        from pdserve.decode_worker.server import DecodeWorker
+
+        engine = tiny_engine(tiny_model_dir, block_size=16)
+        recorder = RecordingConnector(engine)
+        engine.kv_connector = recorder
+        gen = torch.Generator().manual_seed(1)
+        engine.kv_cache.data.copy_(torch.randn(engine.kv_cache.data.shape, generator=gen))
+        dec = DecodeWorker(WorkerConfig(engine=engine.config), engine=engine)
+        await dec.start()
+        try:
+            async with grpc.aio.insecure_channel(dec.address) as ch:
+                d = decode_pb2_grpc.DecodeWorkerStub(ch)
+                res = await d.Reserve(decode_pb2.ReserveRequest(
+                    request_id="bad", prompt_token_ids=PROMPT, sampling=GREEDY.to_proto()))
+                phys = list(engine.seqs["bad"].block_table)
+                before = engine.kv_cache.data.clone()
+                spec = engine.kv_spec
+                msgs, seq = [], 0
+                for layer in range(spec.num_layers):
+                    k, v = (torch.randn(res.num_blocks, *spec.block_shape, generator=gen)
+                            for _ in range(2))
+                    for c in encode_layer(res.reservation_id, layer, range(res.num_blocks), k,
+                                          v, first_seq=seq):
+                        msgs.append(kvtransfer_pb2.KVMessage(chunk=c))
+                        seq += 1
+                bad = bytearray(msgs[1].chunk.payload)
+                bad[7] ^= 0x10
+                msgs[1].chunk.payload = bytes(bad)
+                info = KVCommitInfo(num_prompt_tokens=len(PROMPT), first_token_id=1)
+                msgs.append(kvtransfer_pb2.KVMessage(
+                    commit=commit_to_proto(res.reservation_id, seq, info)))
+                push = kvtransfer_pb2_grpc.KVTransferStub(ch).Push
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await push(iter(msgs), timeout=30,
+                               metadata=((SECRET_METADATA, res.reservation_secret),))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("crc32c"), err.value.details()
+            spec = engine.kv_spec
+            for _ in range(50):  # the abort is applied on the engine thread
+                if await _free_blocks(dec) == (spec.num_blocks, spec.num_blocks):
+                    break
+                await asyncio.sleep(0.1)
+            assert await _free_blocks(dec) == (spec.num_blocks, spec.num_blocks)
+            others = [b for b in range(spec.num_blocks) if b not in phys]
+            assert torch.equal(engine.kv_cache.data[:, :, others], before[:, :, others])
+            assert ("abort", "engine-loop") in recorder.calls
+            assert {thread for _, thread in recorder.calls} == {"engine-loop"}
+        finally:
+            await dec.stop(0)
+        assert_pool_clean(dec.engine)
+
+    asyncio.run(main())

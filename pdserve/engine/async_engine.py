@@ -204,13 +204,18 @@ class AsyncEngine:
             raise
 
     def write_kv(self, request_id: str, layer: int, block_indices: Seq[int],
-                 k: torch.Tensor, v: torch.Tensor) -> None:
-        """Queue a write of KV into a reservation's blocks (logical indices) and return at
-        once: the engine thread applies it at the next step boundary, before any later
-        command. k and v must stay unchanged until then. A failed write is logged and makes
-        the reservation's commit fail."""
+                 k: torch.Tensor, v: torch.Tensor, crc32c: int | None = None
+                 ) -> concurrent.futures.Future:
+        """Queue a write of KV into a reservation's blocks (logical indices), checked against
+        `crc32c` (the connector's `write`), and return at once: the engine thread applies
+        it at the next step boundary, before any later command. k and v must stay
+        unchanged until then. The future resolves when it was applied (None), or with its
+        error (ChecksumMismatch, KeyError, ...); a failed write also makes the
+        reservation's commit fail, so nobody has to wait for the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put((lambda: self.engine.kv_connector.write(
-            request_id, layer, block_indices, k, v), None))
+            request_id, layer, block_indices, k, v, crc32c), fut))
+        return fut
 
     async def commit(self, request_id: str, first_token: int,
                      logprobs: TokenLogprobs | None = None) -> None:

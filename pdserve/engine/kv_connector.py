@@ -25,14 +25,27 @@ Save side (prefill worker), one request:
 Load side (decode worker), one reservation:
 
     reserve(id, prompt, params)       blocks held by a WAITING_FOR_KV sequence
-    write(id, layer, blocks, k, v)*   K/V copied into those blocks (logical block indices)
+    write(id, layer, blocks, k, v, crc32c)*
+                                      K/V copied into those blocks (logical block indices),
+                                      checked against the sender's CRC-32C as they are
+                                      copied (see below); a mismatch fails the reservation
     commit(id, first token, lp)       token ids checked against the vocabulary (ValueError,
-                                      nothing changed), then the sequence runs next step
+                                      nothing changed), then the sequence runs next step;
+                                      a reservation a write failed into never commits
     | abort(id)                       blocks freed; its stream ends with "abort"
     (expiry of an uncommitted reservation is the decode worker's timer; it ends in abort)
 
 KV that arrives through `write` serves its own request only: it never enters the prefix
 cache, nor do the blocks that request computes on top of it (their K/V depend on it).
+
+Unverified bytes. A reservation's blocks come fresh from the pool (`BlockPool.allocate`:
+ref count 1, no prefix hash; never matched against the prefix cache) and nothing reads
+them before the commit, so `write` copies and checksums in one pass
+(`kv_blocks.ingest_blocks`, exclusive): corrupt bytes can land in the reservation's own
+blocks, but only there, and that reservation then never commits — its abort frees the
+blocks with no hash, and whoever allocates them next overwrites them before reading. Each
+write checks that every block it targets is still the reservation's alone (ref count 1,
+no hash) and checks before copying when one is not.
 """
 
 from __future__ import annotations
@@ -45,7 +58,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.kv_blocks import copy_blocks, gather_blocks
+from pdserve.engine.kv_blocks import (
+    ChecksumMismatch,
+    copy_blocks,
+    gather_blocks,
+    ingest_blocks,
+)
 from pdserve.engine.scheduler import ScheduledSeq
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.protocol import SamplingParams, TokenLogprobs
@@ -135,7 +153,9 @@ class KVConnector(ABC):
 
     @abstractmethod
     def write(self, request_id: str, layer: int, block_indices: Seq[int], k: torch.Tensor,
-              v: torch.Tensor) -> None: ...
+              v: torch.Tensor, crc32c: int | None = None) -> None:
+        """crc32c: the CRC-32C of k's bytes then v's as the sender stated it (None: the
+        caller checked them); ChecksumMismatch (a ValueError) when they differ."""
 
     @abstractmethod
     def commit(self, request_id: str, first_token_id: int,
@@ -152,7 +172,8 @@ class PagedKVConnector(KVConnector):
         self.engine = engine
         self.kv = engine.kv_cache
         self._savers: dict[str, KVSaver] = {}
-        self._failed: set[str] = set()  # reservations a write into failed: never commit
+        # reservations a write into failed, with why: they never commit
+        self._failed: dict[str, Exception] = {}
         data = self.kv.data
         self._side = torch.cuda.Stream(device=data.device) if data.is_cuda else None
         self._copied_this_step = False
@@ -208,7 +229,7 @@ class PagedKVConnector(KVConnector):
 
     def request_finished(self, seq: Sequence) -> None:
         self._savers.pop(seq.request_id, None)
-        self._failed.discard(seq.request_id)
+        self._failed.pop(seq.request_id, None)
 
     # -- load side --------------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -223,18 +244,30 @@ class PagedKVConnector(KVConnector):
         return seq
 
     def write(self, request_id: str, layer: int, block_indices: Seq[int], k: torch.Tensor,
-              v: torch.Tensor) -> None:
+              v: torch.Tensor, crc32c: int | None = None) -> None:
         table = self._waiting(request_id).block_table
+        if request_id in self._failed:
+            return  # it will never commit: spare the copy
         try:
             if any(not 0 <= i < len(table) for i in block_indices):
                 raise IndexError(f"block indices {list(block_indices)[:8]} outside the "
                                  f"reservation's {len(table)} blocks")
             phys = [table[i] for i in block_indices]
-            copy_blocks(self.kv.key(layer), phys, k)
-            copy_blocks(self.kv.value(layer), phys, v)
-        except Exception:
-            self._failed.add(request_id)
+            if crc32c is None:
+                copy_blocks(self.kv.key(layer), phys, k)
+                copy_blocks(self.kv.value(layer), phys, v)
+            else:
+                ingest_blocks(self.kv.key(layer), self.kv.value(layer), phys, k, v, crc32c,
+                              exclusive=self._held_alone(phys))
+        except Exception as e:
+            self._failed[request_id] = e
             raise
+
+    def _held_alone(self, block_ids: list[int]) -> bool:
+        """Every block is held by one sequence only and is not in the prefix cache."""
+        blocks = self.engine.pool.blocks
+        return all(blocks[b].ref_count == 1 and blocks[b].block_hash is None
+                   for b in block_ids)
 
     def commit(self, request_id: str, first_token_id: int,
                logprobs: TokenLogprobs | None = None) -> SeqDelta:
@@ -244,8 +277,12 @@ class PagedKVConnector(KVConnector):
             raise ValueError(f"first_token_id: {first_token_id} is not in [0, {vocab})")
         if logprobs is not None and any(not 0 <= t < vocab for t, _ in logprobs.top):
             raise ValueError(f"first_token_top_logprobs: token ids must be in [0, {vocab})")
-        if request_id in self._failed:
-            raise RuntimeError(f"a KV write into the reservation of {request_id!r} failed")
+        failed = self._failed.get(request_id)
+        if isinstance(failed, ChecksumMismatch):
+            raise ValueError(str(failed))  # "crc32c: ...": the sender's bytes were bad
+        if failed is not None:
+            raise RuntimeError(f"a KV write into the reservation of {request_id!r} failed: "
+                               f"{failed!r}")
         return self.engine.commit_remote_kv(request_id, first_token_id, logprobs)
 
     def abort(self, request_id: str) -> SeqDelta | None:

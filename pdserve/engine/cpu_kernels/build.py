@@ -32,7 +32,7 @@ import tempfile
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(n)
                 for n in ("paged_decode.c", "paged_prefill.c", "layer_ops.c", "gemv.c",
-                          "decode_stack.c"))
+                          "decode_stack.c", "kv_ingest.c"))
 HEADERS = (pathlib.Path(__file__).with_name("common.h"),)
 # -ffast-math lets gcc vectorise the float reductions (dot products, sums) and exp2f (kept:
 # see the measurement above);

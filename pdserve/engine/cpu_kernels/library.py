@@ -81,6 +81,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # decode_stack.c
     lib.ds_decode_layers.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, p, p, i64, i64, i32]
     lib.ds_decode_layers.restype = i32
+    # kv_ingest.c
+    lib.ki_ingest_blocks.argtypes = [p, p, p, p, p, i64, i64]
+    lib.ki_ingest_blocks.restype = ctypes.c_uint32
 
 
 def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:
