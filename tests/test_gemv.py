@@ -81,16 +81,31 @@ def test_bad_input_raises(call, match):
 
 
 def test_cpu_ops_use_it_for_decode_rows_only(monkeypatch):
-    calls = []
-    real = linear.onednn_linear
-    monkeypatch.setattr(linear, "onednn_linear", lambda x, w: calls.append(x.shape[0])
-                        or real(x, w))
+    import gc
+
+    import pdserve.engine.cpu_kernels.gemv as gemv
+
+    gemv_rows, packs = [], []
+    real_gemv, real_pack = gemv.gemv_linear, torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(gemv, "gemv_linear", lambda x, w: gemv_rows.append(x.shape[0])
+                        or real_gemv(x, w))
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda w, m: packs.append(w.shape) or real_pack(w, m))
     ops = build_layer_ops("cpu", torch.device("cpu"))
     w = torch.randn(64, 32)
-    for m in (1, linear.GEMV_MAX_ROWS, linear.GEMV_MAX_ROWS + 1, 100):
-        x = torch.randn(m, 32)
-        torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
-    # only the GEMM-sized calls reached oneDNN
-    assert calls == [linear.GEMV_MAX_ROWS + 1, 100]
+    for dtype in (torch.float32, torch.bfloat16):
+        wd = w.to(dtype)
+        for m in (1, linear.GEMV_MAX_ROWS, linear.GEMV_MAX_ROWS + 1, 100, 3000):
+            x = torch.randn(m, 32).to(dtype)
+            torch.testing.assert_close(ops.linear(x, wd).double(), _reference(x, wd),
+                                       **TOL[dtype])
+    # the GEMV took the decode-sized calls; the blocked copy was made once per weight
+    assert gemv_rows == [1, linear.GEMV_MAX_ROWS] * 2
+    assert packs == [(64, 32)] * 2
+    # a weight that goes away takes its blocked copy with it: a new one is packed anew
+    del wd, w
+    gc.collect()
+    ops.linear(torch.randn(50, 32), torch.randn(64, 32))
+    assert len(packs) == 3
     # the eager bundle, the reference, never takes the C path
     assert build_layer_ops("torch", torch.device("cpu")).linear is linear.onednn_linear
