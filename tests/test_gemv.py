@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pdserve.engine.cpu_kernels.gemv import gemv_linear
 from pdserve.engine.layers import linear
