@@ -33,7 +33,7 @@ for dt in (torch.float32, torch.bfloat16):
                                         (m, "blocked", pointwise, packed),
                                         (m + 7, "blocked, other M", pointwise, packed)):
             xs = {k: torch.randn(rows, k).to(dt) for k in (576, 1536)}
-            seconds = best(lambda fn=fn, weights=weights, xs=xs: [
+            seconds = best(lambda fn=fn, weights=weights, xs=xs, ws=ws: [
                 fn(xs[w.shape[1]], p) for w, p in zip(ws, weights)])
             r[name] = round(sum(2 * rows * w.numel() for w in ws) / seconds / 1e9, 1)
         print(dt, m, r, "GFLOP/s", flush=True)
