@@ -233,15 +233,20 @@ class Orchestrator:
         while True:
             trace.decode = None
             try:
-                async for ch in self._attempt(attempt, trace, failed, resumed=bool(streamed)):
-                    if ch.finish_reason == common_pb2.FINISH_REASON_ABORT:
-                        who = trace.decode.address if trace.decode else "?"
-                        raise GatewayError(ErrorKind.UNAVAILABLE,
-                                           f"decode worker {who} aborted the request")
-                    streamed.extend(ch.token_ids)
-                    yield ch
-                    if ch.finish_reason:
-                        return
+                # closed explicitly when this generator is: left to the garbage collector, an
+                # attempt's cleanup (leaving its worker, cancelling its reservation) waited
+                # for a cycle collection whenever a traceback held its frame
+                async with contextlib.aclosing(self._attempt(
+                        attempt, trace, failed, resumed=bool(streamed))) as chunks:
+                    async for ch in chunks:
+                        if ch.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                            who = trace.decode.address if trace.decode else "?"
+                            raise GatewayError(ErrorKind.UNAVAILABLE,
+                                               f"decode worker {who} aborted the request")
+                        streamed.extend(ch.token_ids)
+                        yield ch
+                        if ch.finish_reason:
+                            return
                 raise GatewayError(ErrorKind.UNAVAILABLE, "the worker's stream ended unfinished")
             except GatewayError as e:
                 if trace.decode is None or not migration.may_migrate(e, len(streamed)):
@@ -521,5 +526,6 @@ class Orchestrator:
         log.warning("request %s (cluster id %s): no prefill worker left; running it colocated",
                     first.request_id, first.cluster_id)
         colocated = dataclasses.replace(first, cluster_id=f"{first.cluster_id}-c")
-        async for ch in self._colocated(colocated, decodes, trace):
-            yield ch
+        async with contextlib.aclosing(self._colocated(colocated, decodes, trace)) as chunks:
+            async for ch in chunks:
+                yield ch
