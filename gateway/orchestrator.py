@@ -75,6 +75,15 @@ def _may_retry(code: grpc.StatusCode, work_started: bool) -> bool:
         code == grpc.StatusCode.UNAVAILABLE and not work_started)
 
 
+def _past_deadline(req: GenerationRequest) -> bool:
+    return req.deadline is not None and time.monotonic() >= req.deadline
+
+
+def _deadline_passed(req: GenerationRequest) -> GatewayError:
+    return GatewayError(ErrorKind.DEADLINE, f"timeout: the request's deadline of "
+                        f"{req.timeout_s:g}s passed", "timeout")
+
+
 @dataclass
 class _Trace:
     """What one request's metrics need, filled in as it goes."""
@@ -178,8 +187,7 @@ class Orchestrator:
                     finally:
                         self.admission.release(time.monotonic() - t_admit)
             except TimeoutError:
-                raise GatewayError(ErrorKind.DEADLINE, f"timeout: the request's deadline of "
-                                   f"{req.timeout_s:g}s passed", "timeout") from None
+                raise _deadline_passed(req) from None
         except GatewayError as e:
             m.error(e.code)
             out.fail(e)
@@ -249,6 +257,10 @@ class Orchestrator:
                             return
                 raise GatewayError(ErrorKind.UNAVAILABLE, "the worker's stream ended unfinished")
             except GatewayError as e:
+                if _past_deadline(req):
+                    # the worker call ran out of the request's own time (its gRPC deadline
+                    # is the request's): the request is over, no worker failed
+                    raise _deadline_passed(req) from None
                 if trace.decode is None or not migration.may_migrate(e, len(streamed)):
                     raise
                 failed[trace.decode.worker_id] = e.kind
