@@ -369,7 +369,11 @@ class Orchestrator:
         `stream_idle_s` of the last (keepalive chunks count), else UNAVAILABLE."""
         while True:
             try:
-                ch = await asyncio.wait_for(call.read(), self.stream_idle_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
+                # that lands as the read completes, and with tokens arriving every few ms a
+                # client that left kept its request streaming into a full outbox
+                async with asyncio.timeout(self.stream_idle_s):
+                    ch = await call.read()
             except TimeoutError:
                 raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} sent nothing for "
                                    f"{self.stream_idle_s:g}s (stalled?)") from None
