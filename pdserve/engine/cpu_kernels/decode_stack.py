@@ -75,8 +75,7 @@ class CpuDecodeStack:
         if model.cos.shape != (d.max_position, d.head_dim) or model.sin.shape != model.cos.shape:
             raise ValueError("cos/sin must be [max_position, head_dim]")
         self._lib = load()
-        # the tensors whose memory C reads, held so their pointers stay valid
-        self._keep = (model, kv_data)
+        # model and kv_data are held (their memory is what the pointers below point into)
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
         self._kv = kv_data
         self._model = model
