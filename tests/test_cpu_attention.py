@@ -87,6 +87,28 @@ def test_kernel_matches_reference(bs, d, hq, hkv):
                                atol=3e-2, rtol=3e-2)
 
 
+def test_peaked_scores_match_reference():
+    # A query 40x its usual size makes score gaps of hundreds in log2 units: the softmax
+    # weights of most keys are below 2^-126 and the kernels clamp them to exactly 0 rather
+    # than let the vector exp2 fall back to scalar code (common.h); the result must still
+    # be the reference's, for decode and for prefill (whose masked scores are -1e30)
+    bs, d, hq, hkv = 16, 64, 6, 2
+    lens = [1, 17, 5 * bs + 3]
+    q, k, v, sl, tables = _inputs(lens, bs, hq, hkv, d, torch.float32, seed=3)
+    q = q * 40
+    out = paged_decode_attention(q, k, v, sl, tables, d ** -0.5)
+    torch.testing.assert_close(out, _ref(q, k, v, sl, tables, d ** -0.5), atol=1e-5, rtol=1e-5)
+    chunks = [(bs + 1, bs + 1), (5, 3 * bs + 3)]
+    q, k, v, tables = _prefill_inputs(chunks, bs, hq, hkv, d, seed=4)
+    q = q * 40
+    out = paged_prefill_attention(q, k, v, [c for c, _ in chunks], [s for _, s in chunks],
+                                  tables, d ** -0.5)
+    # scores of a few hundred carry float32 rounding of ~1e-5 into the exponent, in the
+    # reference as in the kernel: the tolerance follows (the same 4e-5 before the clamp)
+    torch.testing.assert_close(out, _prefill_ref(q, k, v, chunks, tables, d ** -0.5),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_strided_query_out_and_mixed_dtypes():
     lens = [3, 40, 17]
     q, k, v, sl, tables = _inputs(lens, 16, 6, 2, 64, torch.float32, seed=1)

@@ -94,6 +94,19 @@ def test_silu_mul_matches_reference(dtype, t, inter):
     torch.testing.assert_close(got.float(), REF.silu_mul(gate_up).float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_extreme_gates(dtype):
+    # Gates far past +-88, where exp(-gate) over- or underflows (real models have them):
+    # the kernel clamps exp's argument (common.h), and silu must still be the gate itself
+    # above and 0 below, with no inf or NaN
+    gate = torch.tensor([-1e4, -500.0, -100.0, -89.0, -80.0, -3.0, 0.0, 3.0, 80.0, 89.0,
+                         100.0, 500.0, 1e4] * 3)
+    gate_up = torch.cat([gate, torch.full_like(gate, 0.5)]).view(1, -1).to(dtype)
+    got = CPU.silu_mul(gate_up)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), REF.silu_mul(gate_up).float(), **TOL[dtype])
+
+
 def test_rope_position_outside_tables_raises_and_writes_nothing():
     qk = torch.randn(4, 2, 8)
     before = qk.clone()

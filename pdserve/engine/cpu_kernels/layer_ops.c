@@ -131,7 +131,7 @@ void lo_silu_mul(const void *gate_up, void *out, int64_t T, int I, int dt, int n
             widen(u, gate_up, row + I + i0, n, dt);
 #pragma omp simd
             for (int i = 0; i < n; i++)
-                g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+                g[i] = silu(g[i]) * u[i];
             narrow(out, t * I + i0, g, n, dt);
         }
     }

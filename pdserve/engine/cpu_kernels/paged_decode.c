@@ -335,10 +335,10 @@ static inline void softmax_tile(float *s, int nt, int G, int first, float *m, fl
         for (int t = 0; t < nt; t++)
             mx = sg[t] > mx ? sg[t] : mx;
         /* no -inf sentinel for an empty history: -ffast-math assumes finite values */
-        corr[g] = first ? 0.f : exp2f(m[g] - mx);
+        corr[g] = first ? 0.f : exp2_weight(m[g] - mx);
         float sum = 0.f;
         for (int t = 0; t < nt; t++) {
-            sg[t] = exp2f(sg[t] - mx);
+            sg[t] = exp2_weight(sg[t] - mx);
             sum += sg[t];
         }
         l[g] = l[g] * corr[g] + sum;

@@ -350,10 +350,10 @@ static void pf_item(const struct pf_args *a, int p, int h, int tile, float *scr)
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int j = 0; j < BK; j++) {
-                s[j] = exp2f(s[j] - mt);
+                s[j] = exp2_weight(s[j] - mt);
                 sum += s[j];
             }
-            const float corr = exp2f(m[r] - mt);
+            const float corr = exp2_weight(m[r] - mt);
             l[r] = l[r] * corr + sum;
             m[r] = mt;
             if (corr != 1.f) {
