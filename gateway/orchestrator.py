@@ -451,16 +451,15 @@ class Orchestrator:
                 return slot, resp
             except (grpc.aio.AioRpcError, WorkerLost) as e:
                 self.inflight.close(slot)
-                if isinstance(e, WorkerLost):
-                    code, err = grpc.StatusCode.UNAVAILABLE, e
-                else:
-                    code, err = self._error(e, f"decode worker {w.address}")
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    # unanswered (timed out, or the worker dropped): it may still reserve
-                    # once it wakes, so free that at once (its expiry is the backstop
-                    # should the Cancel overtake the Reserve)
+                lost = isinstance(e, WorkerLost)
+                if lost or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # unanswered (timed out, or the worker was dropped): it may still
+                    # reserve once it wakes, so free that at once (its expiry is the
+                    # backstop should the Cancel overtake the Reserve)
                     self.channels.cancel(w.address, request_id=req.cluster_id,
                                          reason="gateway: Reserve unanswered")
+                code, err = ((grpc.StatusCode.UNAVAILABLE, e) if lost
+                             else self._error(e, f"decode worker {w.address}"))
                 if not _may_retry(code, work_started=False):
                     raise err from None
                 last = err
