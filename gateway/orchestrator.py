@@ -17,7 +17,10 @@ when all refuse, the client gets the last refusal. Once work began, a failure is
 business (gateway/migration.py): a failed prefill fails over to the next prefill worker or
 to colocated; a broken token stream is re-admitted elsewhere from what it already streamed,
 so the client's stream continues and greedy output is unchanged. Each move counts in
-`pdserve:request_migrations_total{reason=prefill_failover|decode_migration}`.
+`pdserve:request_migrations_total{reason=prefill_failover|decode_migration}`. A worker the
+registry drops (heartbeats stopped) fails its requests' calls there at once (`drop_worker`,
+inflight.py), not at their deadlines: a Prefill call fails over when its prefill worker is
+dropped and migrates when its decode worker is, since its KV has nowhere to go.
 
 A prefill worker is paired only with decode workers of its KV layout (router.py), and the
 decode_address it is sent, which it dials and pushes KV to, is always a decode worker
@@ -55,6 +58,7 @@ from pdserve.gateway.admission import AdmissionController, Overloaded
 from pdserve.gateway.channels import WorkerChannels
 from pdserve.gateway.convert import logprobs_from_proto
 from pdserve.gateway.errors import ErrorKind, GatewayError, from_worker_status
+from pdserve.gateway.inflight import InFlight, Slot, WorkerLost, ended_by_drop
 from pdserve.gateway.output import TextOutput
 from pdserve.gateway.prefill_backlog import PrefillBacklog
 from pdserve.gateway.registry import Role, Worker, WorkerRegistry
@@ -143,7 +147,7 @@ class Orchestrator:
         self.disagg_threshold = disagg_threshold
         self.rpc_timeout_s = rpc_timeout_s
         self.stream_idle_s = stream_idle_s
-        self.inflight: dict[str, int] = {}  # worker_id -> this gateway's requests there
+        self.inflight = InFlight()  # this gateway's requests at each worker, their calls
         self.prefill_backlog = PrefillBacklog()
         self._tasks: set[asyncio.Task] = set()
 
@@ -333,15 +337,13 @@ class Orchestrator:
                                timing)
 
     # -- worker streams ---------------------------------------------------------------------
-    def _enter(self, w: Worker) -> None:
-        self.inflight[w.worker_id] = self.inflight.get(w.worker_id, 0) + 1
-
-    def _leave(self, w: Worker) -> None:
-        n = self.inflight.get(w.worker_id, 0) - 1
-        if n > 0:
-            self.inflight[w.worker_id] = n
-        else:
-            self.inflight.pop(w.worker_id, None)
+    def drop_worker(self, w: Worker, reason: str) -> None:
+        """The registry dropped `w` (its heartbeats stopped): the calls requests have open
+        there end now, each request failing over or migrating (inflight.py)."""
+        n = self.inflight.drop(w.worker_id, reason)
+        if n:
+            log.warning("%s worker %s at %s dropped (%s): ending the calls of %d request(s) "
+                        "there", w.role.value, w.worker_id, w.address, reason, n)
 
     @staticmethod
     def _remaining(req: GenerationRequest) -> float | None:
@@ -364,16 +366,19 @@ class Orchestrator:
                 f"({self.rpc_timeout_s:g}s)")
         return code, from_worker_status(code, e.details(), who)
 
-    async def _chunks(self, call, who: str) -> AsyncIterator[decode_pb2.TokenChunk]:
+    async def _chunks(self, call, slot: Slot) -> AsyncIterator[decode_pb2.TokenChunk]:
         """A token stream's messages under the liveness bound: each must arrive within
-        `stream_idle_s` of the last (keepalive chunks count), else UNAVAILABLE."""
+        `stream_idle_s` of the last (keepalive chunks count), else UNAVAILABLE; at once
+        `WorkerLost` when the registry drops the worker."""
+        who = f"decode worker {slot.worker.address}"
         while True:
             try:
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
                 # that lands as the read completes, and with tokens arriving every few ms a
                 # client that left kept its request streaming into a full outbox
-                async with asyncio.timeout(self.stream_idle_s):
-                    ch = await call.read()
+                with ended_by_drop(slot):
+                    async with asyncio.timeout(self.stream_idle_s):
+                        ch = await call.read()
             except TimeoutError:
                 raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} sent nothing for "
                                    f"{self.stream_idle_s:g}s (stalled?)") from None
@@ -387,15 +392,17 @@ class Orchestrator:
             request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
             sampling=req.params.to_proto())
         last: GatewayError | None = None
-        for w in router.rank_decode(decodes, len(req.prompt_token_ids), self.inflight):
+        for w in router.rank_decode(self._routable(decodes), len(req.prompt_token_ids),
+                                    self.inflight):
             call = self.channels.get(w.address).decode.Generate(
                 msg, timeout=self._remaining(req))
-            self._enter(w)
+            slot = self.inflight.open(w)
+            slot.track(call)
             trace.decode = w
             who = f"decode worker {w.address}"
             started = finished = False
             try:
-                async for ch in self._chunks(call, who):
+                async for ch in self._chunks(call, slot):
                     started = started or bool(ch.token_ids)
                     finished = bool(ch.finish_reason)
                     yield ch
@@ -408,43 +415,59 @@ class Orchestrator:
                     raise err from None
                 last = err
             finally:
-                self._leave(w)
+                self.inflight.close(slot)
                 if not finished:  # harmless when the worker never admitted it
                     call.cancel()
                     self.channels.cancel(w.address, request_id=req.cluster_id,
                                          reason="gateway: request ended")
         raise last or GatewayError(ErrorKind.UNAVAILABLE, "no decode worker is available")
 
+    def _routable(self, workers: list[Worker]) -> list[Worker]:
+        """Those of an attempt's workers the registry still routes to: one dropped since the
+        attempt began would leave a new call there to its deadline."""
+        if not workers:
+            return workers
+        alive = {w.worker_id for w in self.registry.alive(workers[0].role)}
+        return [w for w in workers if w.worker_id in alive]
+
     async def _reserve(self, req: GenerationRequest, decodes: list[Worker]
-                       ) -> tuple[Worker, decode_pb2.ReserveResponse]:
+                       ) -> tuple[Slot, decode_pb2.ReserveResponse]:
+        """A reservation at the best decode worker that grants one, and the request's slot
+        there (the caller closes it when the request leaves the worker)."""
         msg = decode_pb2.ReserveRequest(request_id=req.cluster_id,
                                         prompt_token_ids=req.prompt_token_ids,
                                         sampling=req.params.to_proto())
         last: GatewayError | None = None
-        for w in router.rank_decode(decodes, len(req.prompt_token_ids), self.inflight):
+        for w in router.rank_decode(self._routable(decodes), len(req.prompt_token_ids),
+                                    self.inflight):
             # counted from the moment it is chosen, not once the reservation returns: requests
             # routed while this Reserve is on the wire must see it, or a burst all lands on
             # the one worker that looked idle
-            self._enter(w)
+            slot = self.inflight.open(w)
             try:
-                resp = await self.channels.get(w.address).decode.Reserve(
-                    msg, timeout=self._unary_timeout(req))
-                return w, resp  # the caller leaves w when the request ends
-            except grpc.aio.AioRpcError as e:
-                self._leave(w)
-                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    # it may still reserve once it wakes: free that at once (its expiry
-                    # is the backstop should the Cancel overtake the Reserve)
+                with ended_by_drop(slot):
+                    resp = await slot.track(self.channels.get(w.address).decode.Reserve(
+                        msg, timeout=self._unary_timeout(req)))
+                return slot, resp
+            except (grpc.aio.AioRpcError, WorkerLost) as e:
+                self.inflight.close(slot)
+                lost = isinstance(e, WorkerLost)
+                if lost or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # unanswered (timed out, or the worker was dropped): it may still
+                    # reserve once it wakes, so free that at once (its expiry is the
+                    # backstop should the Cancel overtake the Reserve)
                     self.channels.cancel(w.address, request_id=req.cluster_id,
-                                         reason="gateway: Reserve timed out")
-                code, err = self._error(e, f"decode worker {w.address}")
+                                         reason="gateway: Reserve unanswered")
+                code, err = ((grpc.StatusCode.UNAVAILABLE, e) if lost
+                             else self._error(e, f"decode worker {w.address}"))
                 if not _may_retry(code, work_started=False):
                     raise err from None
                 last = err
             except BaseException:
-                self._leave(w)
+                self.inflight.close(slot)
                 raise
-        assert last is not None
+        if last is None:
+            raise GatewayError(ErrorKind.UNAVAILABLE, "no decode worker is available")
         raise last
 
     def _check_destination(self, d: Worker) -> None:
@@ -457,25 +480,40 @@ class Orchestrator:
             raise GatewayError(ErrorKind.UNAVAILABLE, f"decode_address: {d.address} is no "
                                "longer a registered decode worker")
 
-    async def _prefill(self, req: GenerationRequest, p: Worker, d: Worker,
+    async def _prefill(self, req: GenerationRequest, p: Slot, d: Slot,
                        resv: decode_pb2.ReserveResponse) -> prefill_pb2.PrefillResponse:
-        self._check_destination(d)
+        """The Prefill call at p's worker, pushing KV into d's reservation. It ends at once
+        when either worker is dropped: `WorkerLost` naming d's first (the request's decode
+        worker is gone: migration's business), else p's (a prefill failover)."""
+        self._check_destination(d.worker)
         msg = prefill_pb2.PrefillRequest(
             request_id=req.cluster_id, prompt_token_ids=req.prompt_token_ids,
             # max_tokens goes to the decode worker only: prefill samples the first token
-            sampling=req.params.to_proto(with_max_tokens=False), decode_address=d.address,
+            sampling=req.params.to_proto(with_max_tokens=False),
+            decode_address=d.worker.address,
             reservation_id=resv.reservation_id, reserved_blocks=resv.num_blocks,
             decode_kv_spec=resv.kv_spec, reservation_secret=resv.reservation_secret)
         if resv.HasField("shm"):  # the decode worker's same-host shared-memory offer
             msg.decode_shm.CopyFrom(resv.shm)
-        self._enter(p)
-        try:
-            # its deadline also bounds how long the prompt may queue there: the worker
-            # drops it unprefilled once the call is gone, before the reservation expires
-            return await self.channels.get(p.address).prefill.Prefill(
-                msg, timeout=self._unary_timeout(req))
-        finally:
-            self._leave(p)
+        # its deadline also bounds how long the prompt may queue there: the worker drops it
+        # unprefilled once the call is gone, before the reservation expires
+        call = p.track(self.channels.get(p.worker.address).prefill.Prefill(
+            msg, timeout=self._unary_timeout(req)))
+        d.track(call)
+        with ended_by_drop(d, p):
+            return await call
+
+    def _prefill_failed(self, e: grpc.aio.AioRpcError | WorkerLost, p: Worker) -> GatewayError:
+        """A failed Prefill call's error when the next prefill worker may take the prompt;
+        re-raised when none may: the request's own fault, or its decode worker was lost."""
+        if isinstance(e, WorkerLost):
+            if e.worker_id != p.worker_id:
+                raise e
+            return e
+        code, err = self._error(e, f"prefill worker {p.address}")
+        if not migration.prefill_may_fail_over(code):
+            raise err from None
+        return err
 
     async def _disaggregated(self, req: GenerationRequest, decodes: list[Worker],
                              prefills: list[Worker], trace: _Trace
@@ -496,30 +534,31 @@ class Orchestrator:
         try:
             for i, p in enumerate(router.rank_prefill(prefills, first.prompt_token_ids,
                                                       self.inflight)):
+                if not self._routable([p]):
+                    continue  # dropped since the attempt began
                 req = first if i == 0 else dataclasses.replace(
                     first, cluster_id=f"{first.cluster_id}-p{i}")
                 # d counts as in flight from here
-                d, resv = await self._reserve(req, router.decodes_for(p, decodes))
-                trace.decode = d
+                ds, resv = await self._reserve(req, router.decodes_for(p, decodes))
+                d = trace.decode = ds.worker
                 call = None
                 finished = False
                 try:
-                    call = self.channels.get(d.address).decode.Decode(
+                    call = ds.track(self.channels.get(d.address).decode.Decode(
                         decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
-                        timeout=self._remaining(req))
+                        timeout=self._remaining(req)))
                     try:
-                        trace.prefill = await self._prefill(req, p, d, resv)
-                    except grpc.aio.AioRpcError as e:
-                        code, err = self._error(e, f"prefill worker {p.address}")
-                        if not migration.prefill_may_fail_over(code):
-                            raise err from None
+                        with self.inflight.hold(p) as ps:
+                            trace.prefill = await self._prefill(req, ps, ds, resv)
+                    except (grpc.aio.AioRpcError, WorkerLost) as e:
+                        err = self._prefill_failed(e, p)
                         self.metrics.migrated("prefill_failover")
                         log.warning("request %s (cluster id %s): %s; failing over",
                                     req.request_id, req.cluster_id, err.message)
                         continue  # the finally below cancels the reservation
                     in_backlog = False
                     self.prefill_backlog.release(n)
-                    async for ch in self._chunks(call, f"decode worker {d.address}"):
+                    async for ch in self._chunks(call, ds):
                         finished = bool(ch.finish_reason)
                         yield ch
                         if finished:
@@ -529,7 +568,7 @@ class Orchestrator:
                 except grpc.aio.AioRpcError as e:
                     raise self._error(e, f"decode worker {d.address}")[1] from None
                 finally:
-                    self._leave(d)
+                    self.inflight.close(ds)
                     if not finished:
                         if call is not None:
                             call.cancel()

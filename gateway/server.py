@@ -1,9 +1,10 @@
 """The gateway process: one asyncio loop serving the public gRPC port (Gateway, health,
 reflection), the OpenAI HTTP API and the internal registry listener (WorkerRegistry and
-health, cluster credential required), plus housekeeping tasks — expiring silent workers,
-polling the Stats of static ones and, with a planner mode set, the planner's driver: every
-interval it feeds `planner.Planner` the registry's loads and this gateway's recent
-TTFT/TPOT, orders the switch it decides (WorkerControl.SwitchRole), logs and counts it.
+health, cluster credential required), plus housekeeping tasks — expiring silent workers
+(whose calls in flight the orchestrator then ends at once), polling the Stats of static
+ones and, with a planner mode set, the planner's driver: every interval it feeds
+`planner.Planner` the registry's loads and this gateway's recent TTFT/TPOT, orders the
+switch it decides (WorkerControl.SwitchRole), logs and counts it.
 
 Life cycle: `start()` binds the ports with health NOT_SERVING, loads the tokenizer and
 config (never weights) and fingerprints the model, then serves; health (gRPC and HTTP
@@ -269,9 +270,13 @@ class Gateway:
         while True:
             await asyncio.sleep(period)
             for w in self.registry.expire():
-                log.warning("%s worker %s at %s missed heartbeats for %.1fs: dropped",
-                            w.role.value, w.worker_id, w.address,
-                            self.config.heartbeat_timeout_s)
+                reason = f"missed heartbeats for {self.config.heartbeat_timeout_s:g}s"
+                log.warning("%s worker %s at %s %s: dropped", w.role.value, w.worker_id,
+                            w.address, reason)
+                if self.orchestrator is not None:
+                    # its calls in flight end now, not at their deadlines: their requests
+                    # fail over or migrate (gateway/inflight.py)
+                    self.orchestrator.drop_worker(w, reason)
 
     async def _poll_loop(self) -> None:
         period = max(0.05, min(1.0, self.config.heartbeat_timeout_s / 3))

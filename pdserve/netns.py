@@ -121,9 +121,9 @@ class Topology:
             self._add_ns(self.bridge_ns)
             _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
             _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-            for i, h in enumerate(self.hosts.values()):
+            for h in self.hosts.values():
                 self._add_ns(h.netns)
-                port = f"v{i}"
+                port = self._port(h.name)
                 _ip("-n", self.bridge_ns, "link", "add", port, "type", "veth",
                     "peer", "name", "eth0", "netns", h.netns)
                 _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0")
@@ -170,24 +170,33 @@ class Topology:
         """The command that takes `name`'s link to the bridge down (or up again): its port
         in the bridge namespace, so the host itself keeps its address and sockets, as a
         pulled cable would leave them. Runnable from any namespace (`ip -n`)."""
-        port = f"v{list(self.hosts).index(name)}"
-        return ["ip", "-n", self.bridge_ns, "link", "set", port, "up" if up else "down"]
+        return ["ip", "-n", self.bridge_ns, "link", "set", self._port(name),
+                "up" if up else "down"]
+
+    def _port(self, name: str) -> str:
+        """`name`'s end of its link in the bridge namespace."""
+        return f"v{list(self.hosts).index(name)}"
 
     def set_link(self, name: str, up: bool) -> None:
         _ip(*self.link_argv(name, up)[1:])
 
-    def limit_rate(self, name: str, kbit: int | None) -> None:
+    def limit_rate(self, name: str, kbit: int | None, inbound: bool = False) -> None:
         """Cap what `name` sends to `kbit` kbit/s (a token-bucket qdisc on its eth0: packets
-        wait, TCP slows, nothing is lost), or lift the cap (None). A transfer then lasts long
-        enough to act on while it is under way. RuntimeError where the kernel has no tbf."""
-        ns = self.hosts[name].netns
+        wait, TCP slows, nothing is lost), or with `inbound` what it receives (the same qdisc
+        on its port in the bridge namespace, whose sending is the host's receiving); None
+        lifts the cap. A transfer then lasts long enough to act on while it is under way.
+        RuntimeError where the kernel has no tbf."""
+        if inbound:
+            ns, dev = self.bridge_ns, self._port(name)
+        else:
+            ns, dev = self.hosts[name].netns, "eth0"
         if shutil.which("tc") is None:
             raise RuntimeError("the `tc` command (iproute2) is not installed")
         if kbit is None:
-            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root"],
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
                            capture_output=True)
             return
-        r = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "tbf",
+        r = subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
                             "rate", f"{kbit}kbit", "burst", "16kb", "latency", "200ms"],
                            capture_output=True, text=True)
         if r.returncode != 0:

@@ -25,7 +25,7 @@ E2E_FILES = frozenset({
     "test_gateway_cluster.py", "test_gateway_e2e.py", "test_gateway_gguf.py",
     "test_gpu_check.py", "test_kv_connector.py", "test_kv_shm.py", "test_kvtransfer.py",
     "test_liveness.py", "test_multihost.py", "test_planner_signal.py", "test_role_switch.py",
-    "test_trust.py",
+    "test_trust.py", "test_worker_drop.py",
 })
 
 

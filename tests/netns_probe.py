@@ -14,11 +14,14 @@ Commands ({"op": ..., ...}) and answers ({"ok": ...} or {"error": "..."}):
             tokens arrived, runs the argv of every decode worker that holds KV blocks
             then (the one serving the request); all of them when `cut_all`
   generate_cut_kv  gateway, prompt, max_tokens, metrics (decode workers' /metrics URLs),
-            argv -> {"result": token ids or status name, "base", "at_cut", "after_cut",
-            "at_end": KV bytes the decode workers had received together before the request,
-            when the cut was triggered, once its argv had run, and when the request ended}:
-            streams one greedy request and runs `argv` as soon as the decode workers have
-            received some of its KV (`pdserve:kv_received_bytes_total` went up)
+            argv, receiver -> {"result": token ids or status name, "cut": the index of the
+            decode worker whose counter moved, "base", "at_cut", "after_cut", "at_end": KV
+            bytes each decode worker had received before the request, when the cut was
+            triggered, once its argv had run, and when the request ended}: streams one
+            greedy request and runs `argv` as soon as a decode worker has received some of
+            its KV (`pdserve:kv_received_bytes_total` went up). With `receiver`, `argv` holds
+            one argv per decode worker and only the receiving one's runs (its link, say):
+            that worker's counter is not read again (null)
   kv_received  urls (decode workers' /metrics) -> the KV bytes they received, together
   stats     address, role ("prefill" | "decode") -> [free_blocks, total_blocks, running,
             waiting] (a decode worker counts its open reservations as waiting)
@@ -100,34 +103,47 @@ async def generate_cut(gateway: str, prompt: list[int], max_tokens: int, after_t
     return {"result": result, "cut": cut, "seconds": time.monotonic() - t0}
 
 
-async def kv_received(urls: list[str]) -> float:
-    total = 0.0
-    for url in urls:
+async def _received(urls: list[str], skip: int | None = None) -> list[float | None]:
+    """Each URL's pdserve:kv_received_bytes_total; None for the one at index `skip`."""
+    out: list[float | None] = []
+    for i, url in enumerate(urls):
+        if i == skip:
+            out.append(None)
+            continue
         m = re.search(r"^pdserve:kv_received_bytes_total\{[^}]*\} (\S+)$", await http(url),
                       re.M)
         if m is None:
             raise ValueError(f"{url} exports no pdserve:kv_received_bytes_total")
-        total += float(m.group(1))
-    return total
+        out.append(float(m.group(1)))
+    return out
+
+
+async def kv_received(urls: list[str]) -> float:
+    return sum(await _received(urls))
 
 
 async def generate_cut_kv(gateway: str, prompt: list[int], max_tokens: int,
-                          metrics: list[str], argv: list[str]) -> dict:
-    base = await kv_received(metrics)
+                          metrics: list[str], argv: list, receiver: bool = False) -> dict:
+    base = await _received(metrics)
     marks: dict = {"base": base}
+    skip = None
     async with PdserveClient(gateway) as c:
         request = asyncio.create_task(_one(c, prompt, max_tokens))
         while not request.done():
-            marks["at_cut"] = await kv_received(metrics)
-            if marks["at_cut"] > base:
+            marks["at_cut"] = await _received(metrics)
+            moved = [i for i, (a, b) in enumerate(zip(marks["at_cut"], base)) if a > b]
+            if moved:
+                marks["cut"] = moved[0]
+                if receiver:
+                    argv, skip = argv[moved[0]], moved[0]
                 p = await asyncio.create_subprocess_exec(*argv)
                 assert await p.wait() == 0, f"{argv} failed"
-                marks["after_cut"] = await kv_received(metrics)
+                marks["after_cut"] = await _received(metrics, skip)
                 break
             await asyncio.sleep(0.01)
         assert "after_cut" in marks, "the request ended before any of its KV arrived"
         marks["result"] = await request
-    marks["at_end"] = await kv_received(metrics)
+    marks["at_end"] = await _received(metrics, skip)
     return marks
 
 

@@ -18,9 +18,18 @@ over gRPC, never through shared memory, so it really crosses): the prefill host'
 slowed by a token-bucket qdisc so the push lasts seconds, and the cut is made as soon as the
 decode workers' `pdserve:kv_received_bytes_total` moves, so that counter proves it landed
 mid-transfer (some of the request's KV received, not all, then or ever). The gateway's
-Prefill call goes unanswered until its rpc timeout, it fails over, no prefill worker is
-left, the prompt runs colocated: the same greedy output, and the half-filled reservation
+Prefill call goes unanswered until gw-a drops the silent prefill worker (its heartbeat
+timeout, well under the call's rpc timeout), it fails over, no prefill worker is left, the
+prompt runs colocated: the same greedy output, and the half-filled reservation
 freed (by the gateway's Cancel) while the link is still down.
+
+The mirror case, the decode host's link pulled while the KV crosses into it: what each
+decode host receives is slowed the same way (at its port on the bridge), and the receiving
+one's link is cut as soon as its counter moves. gw-a drops that worker when its heartbeats
+stop, which ends the request's Prefill call at once (its KV has nowhere to go) and migrates
+the request to the other decode worker: the same greedy output, the surviving pools clean
+with the link still down, and once it is back the cut worker registers again with its
+half-filled reservation gone.
 
 Without root the namespace tests skip; the loopback test of independent registrations
 runs anywhere.
@@ -50,14 +59,16 @@ MAX_TOKENS = 12
 # notice it after HEARTBEAT_TIMEOUT_S too); well under the probe's 30 s client deadline
 STREAM_IDLE_S = 4.0
 LONG_TOKENS = 500  # a stream that is still running when its link goes down
-# gw-a's bound on a Prefill call: how long a prefill host whose link is down holds a request
-# before it fails over (under the probe's 30 s client deadline, over a slowed push's ~3 s)
+# gw-a's bound on a Prefill call (under the probe's 30 s client deadline, over a slowed push's
+# ~3 s); a host whose link is down is dropped sooner, at HEARTBEAT_TIMEOUT_S, ending its calls
 RPC_TIMEOUT_S = 8.0
 KV_PROMPT_TOKENS = 600  # ~300 KiB of KV with the tiny model, pushed in its last chunk
 # the prefill host's uplink while that KV crosses: ~2.5 s for it. Its heartbeats share the
 # slowed link and may miss their 0.3 s deadline; it then registers again (a call with the rpc
 # timeout), so the gateways keep hearing from it well within HEARTBEAT_TIMEOUT_S
 PREFILL_KBIT = 1000
+# what each decode host receives in the mirror case: the same ~2.5 s for that KV
+DECODE_KBIT = 1000
 DECODERS = ("decode", "decode-b")
 NAMES = ("gw-a", "gw-b", "prefill", *DECODERS, "client")
 
@@ -328,11 +339,13 @@ def test_prefill_link_down_while_kv_crosses_runs_colocated(hosts, reference, kv_
                           max_tokens=MAX_TOKENS, metrics=hosts.metrics_urls(),
                           argv=hosts.topo.link_argv("prefill", up=False))
         # the cut landed mid-transfer: part of the KV had arrived, and the rest never did
-        assert 0 < out["after_cut"] - out["base"] < full, (out, full)
-        assert out["at_end"] - out["base"] < full, (out, full)
+        assert 0 < sum(out["after_cut"]) - sum(out["base"]) < full, (out, full)
+        assert sum(out["at_end"]) - sum(out["base"]) < full, (out, full)
         # the Prefill call failed over; no prefill worker left, it ran colocated
         assert out["result"] == kv_reference
         log = hosts.log("gw-a")
+        assert f"prefill worker {hosts.grpc('prefill')} dropped: missed heartbeats" in log, \
+            log[-3000:]
         assert "failing over" in log, log[-3000:]
         assert log.count("no prefill worker left; running it colocated") == \
             colocated_before + 1, log[-3000:]
@@ -346,6 +359,47 @@ def test_prefill_link_down_while_kv_crosses_runs_colocated(hosts, reference, kv_
     assert hosts.probe("generate", gateway=gw, prompts=_prompts(),
                        max_tokens=MAX_TOKENS) == reference
     hosts.assert_pools_clean(timeout=30.0)
+
+
+def test_decode_link_down_while_kv_crosses_migrates(hosts, reference, kv_reference):
+    try:
+        for d in DECODERS:
+            hosts.topo.limit_rate(d, DECODE_KBIT, inbound=True)
+    except RuntimeError as e:
+        pytest.skip(f"the KV push cannot be slowed here: {e}")
+    gw = hosts.grpc("gw-a")
+    log_from = len(hosts.log("gw-a"))
+    try:
+        before = hosts.kv_received_bytes()
+        assert hosts.probe("generate", gateway=gw, prompts=[_kv_prompt()],
+                           max_tokens=MAX_TOKENS) == [kv_reference]
+        full = hosts.kv_received_bytes() - before
+        assert full > 0
+        out = hosts.probe("generate_cut_kv", gateway=gw, prompt=_kv_prompt(),
+                          max_tokens=MAX_TOKENS, metrics=hosts.metrics_urls(),
+                          argv=[hosts.topo.link_argv(d, up=False) for d in DECODERS],
+                          receiver=True)
+        cut = DECODERS[out["cut"]]
+        other = DECODERS[1 - out["cut"]]
+        # cut mid-transfer: some of the request's KV had arrived there, not all of it
+        assert 0 < out["at_cut"][out["cut"]] - out["base"][out["cut"]] < full, (out, full)
+        # dropped at the heartbeat timeout, not at the Prefill call's rpc timeout: migrated
+        # to the other decode worker, which received the whole KV again
+        assert out["result"] == kv_reference
+        log = hosts.log("gw-a")[log_from:]
+        assert f"decode worker {hosts.grpc(cut)} dropped: missed heartbeats" in log, log
+        assert "migrating (1 of at most" in log, log
+        assert out["at_end"][1 - out["cut"]] - out["base"][1 - out["cut"]] >= full, out
+        hosts.assert_pools_clean(names=("prefill", other))
+    finally:
+        for d in DECODERS:
+            hosts.topo.set_link(d, up=True)
+            hosts.topo.limit_rate(d, None, inbound=True)
+    hosts.wait_ready(("gw-a",))  # the cut decode worker registers again
+    assert hosts.probe("generate", gateway=gw, prompts=_prompts(),
+                       max_tokens=MAX_TOKENS) == reference
+    # its half-filled reservation aborted (or expired): nothing held anywhere
+    hosts.assert_pools_clean(timeout=40.0)
 
 
 def test_one_unreachable_gateway_does_not_stop_registration_with_another(tiny_model_dir):
