@@ -257,8 +257,9 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
         decoded = decode_chunk(chunk, self._spec, transfer.num_blocks, payload,
                                check_crc32c=False)  # the sink's copy checks it
         row = transfer.received[decoded.layer]
-        already = [i for i in decoded.block_indices if row[i]]
-        if already:
+        idx = np.asarray(decoded.block_indices, dtype=np.intp)  # one conversion, used twice
+        if row[idx].any():
+            already = idx[row[idx]].tolist()
             raise KVChunkError(
                 "block_indices", f"layer {decoded.layer} blocks {already[:8]} sent twice"
             )
@@ -275,7 +276,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                           abort_reservation=True) from None
         if verdict is not None:
             transfer.pending.append((chunk.seq, verdict))
-        row[decoded.block_indices] = True
+        row[idx] = True
         transfer.num_chunks += 1
         transfer.num_bytes += decoded.num_bytes
         self.bytes_received += decoded.num_bytes

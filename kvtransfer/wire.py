@@ -55,6 +55,11 @@ assert kvtransfer_pb2.KVMessage.DESCRIPTOR.fields_by_name["chunk"].number == _CH
 assert kvtransfer_pb2.KVChunk.DESCRIPTOR.fields_by_name["payload"].number == _PAYLOAD_KEY >> 3
 
 
+# torch.frombuffer warns about read-only buffers; decode_chunk's views are never written
+warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                        category=UserWarning, module=__name__)
+
+
 class KVChunkError(ValueError):
     """A chunk or commit that fails validation; `field` names the offending field."""
 
@@ -347,8 +352,8 @@ def decode_chunk(
     indices = list(chunk.block_indices)
     if len(indices) != n:
         raise KVChunkError("block_indices", f"{len(indices)} indices for shape[0] = {n}")
-    bad = [i for i in indices if i >= num_reserved_blocks]
-    if bad:
+    if max(indices) >= num_reserved_blocks:  # uint32 on the wire: never negative
+        bad = [i for i in indices if i >= num_reserved_blocks]
         raise KVChunkError(
             "block_indices", f"{bad[:8]} outside the reservation's {num_reserved_blocks} blocks"
         )
@@ -363,11 +368,10 @@ def decode_chunk(
     if check_crc32c and crc32c(payload) != chunk.crc32c:
         raise KVChunkError("crc32c", "payload checksum mismatch")
     # A read-only view of the payload, no copy: the sink copies it into the cache (its
-    # only use), so the warning about a non-writable buffer does not apply.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        kv = torch.frombuffer(payload, dtype=spec.torch_dtype)
-    kv = kv.view(2, *shape)
+    # only use), so torch's warning about a non-writable buffer does not apply (silenced
+    # for this module at import: a catch_warnings block per chunk costs more than the rest
+    # of this function)
+    kv = torch.frombuffer(payload, dtype=spec.torch_dtype).view(2, *shape)
     return DecodedChunk(chunk.layer, indices, kv[0], kv[1], size, chunk.crc32c)
 def commit_to_proto(
     reservation_id: str, num_chunks: int, info: KVCommitInfo

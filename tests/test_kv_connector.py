@@ -415,3 +415,50 @@ def test_corrupted_chunk_over_grpc_refused_by_the_engines_check(tiny_model_dir):
         assert_pool_clean(dec.engine)
 
     asyncio.run(main())
+
+
+def test_queued_kv_writes_applied_in_one_drain_in_order(tiny_model_dir):
+    """KV writes queued while the engine thread is busy wait in one drain command: each
+    future resolves with its own outcome, in the order sent, and a commit sent after them
+    sees every one (here a failed checksum, so it is refused and the abort frees all)."""
+    from pdserve.engine.kv_blocks import ChecksumMismatch
+
+    async def main():
+        eng = tiny_engine(tiny_model_dir, block_size=16)
+        aeng = AsyncEngine(eng)
+        aeng.start()
+        try:
+            res = await aeng.reserve("r", PROMPT, GREEDY)
+            phys = list(res.block_ids)
+            gate = threading.Event()
+            aeng._cmds.put((gate.wait, None))  # the engine thread is busy until set
+            gen = torch.Generator().manual_seed(1)
+            shape = (len(phys), *eng.kv_spec.block_shape)
+            sent, futs = [], []
+            for layer in range(eng.dims.num_layers):
+                k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+                sent.append((k, v))
+                futs.append(aeng.write_kv("r", layer, range(len(phys)), k, v, _crc(k, v)))
+            futs.append(aeng.write_kv("r", 0, [1], k[:1], v[:1], _crc(k[:1], v[:1]) ^ 1))
+            futs.append(aeng.write_kv("gone", 0, [0], k[:1], v[:1], 0))
+            assert aeng._cmds.qsize() == 2  # the gate, then one drain for every write
+            commit = asyncio.ensure_future(aeng.commit("r", 5))
+            gate.set()
+            outcomes = [await asyncio.wrap_future(f) for f in futs[:-2]]
+            assert outcomes == [None] * eng.dims.num_layers
+            with pytest.raises(ChecksumMismatch):
+                await asyncio.wrap_future(futs[-2])
+            with pytest.raises(KeyError):
+                await asyncio.wrap_future(futs[-1])
+            with pytest.raises(ValueError, match="^crc32c"):
+                await commit
+            for layer, (k, v) in enumerate(sent[1:], start=1):
+                assert torch.equal(eng.kv_cache.key(layer)[phys], k)
+                assert torch.equal(eng.kv_cache.value(layer)[phys], v)
+            assert not aeng._kv_drain_queued and not aeng._kv_writes
+            assert await aeng.cancel_reservation("r")
+        finally:
+            await aeng.stop()
+        assert_pool_clean(eng)
+
+    asyncio.run(main())

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -72,6 +73,10 @@ class AsyncEngine:
         self.engine = engine
         self.max_prefix_hashes = max_prefix_hashes
         self._cmds: queue.Queue[Any] = queue.Queue()
+        # KV writes wait here, not in _cmds: one drain command applies all that are queued
+        self._kv_writes: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._kv_lock = threading.Lock()
+        self._kv_drain_queued = False  # a _drain_kv_writes is in _cmds or running
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -213,9 +218,30 @@ class AsyncEngine:
         error (ChecksumMismatch, KeyError, ...); a failed write also makes the
         reservation's commit fail, so nobody has to wait for the future."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put((lambda: self.engine.kv_connector.write(
-            request_id, layer, block_indices, k, v, crc32c), fut))
+        write = (lambda: self.engine.kv_connector.write(
+            request_id, layer, block_indices, k, v, crc32c), fut)
+        with self._kv_lock:
+            self._kv_writes.append(write)
+            if self._kv_drain_queued:
+                return fut  # the queued drain takes it
+            self._kv_drain_queued = True
+        self._cmds.put((self._drain_kv_writes, None))
         return fut
+
+    def _drain_kv_writes(self) -> None:
+        """Applies every queued KV write, those queued while it runs included: one engine
+        command (one queue hand-off, one wake-up) for however many chunks arrived
+        meanwhile. A write queued before another command is applied before it (a drain
+        was queued ahead of that command, or is running and finds it); one queued after
+        may be applied sooner, which is safe: `KVConnector.write` checks that the
+        reservation is still waiting for KV when it runs."""
+        while True:
+            with self._kv_lock:
+                if not self._kv_writes:
+                    self._kv_drain_queued = False
+                    return
+                write = self._kv_writes.popleft()
+            self._apply(write)
 
     async def commit(self, request_id: str, first_token: int,
                      logprobs: TokenLogprobs | None = None) -> None:

@@ -118,8 +118,9 @@ def _fused_op() -> Callable[..., int] | None:
     return ingest_kv_blocks
 
 
-def ingest_blocks(k_dst: torch.Tensor, v_dst: torch.Tensor, block_ids: Sequence[int],
-                  k: torch.Tensor, v: torch.Tensor, crc32c: int, *, exclusive: bool) -> None:
+def ingest_blocks(k_dst: torch.Tensor, v_dst: torch.Tensor,
+                  block_ids: Sequence[int] | np.ndarray, k: torch.Tensor, v: torch.Tensor,
+                  crc32c: int, *, exclusive: bool) -> None:
     """k_dst[block_ids[i]] = k[i] and v_dst[block_ids[i]] = v[i] for every i, provided the
     CRC-32C of k's bytes followed by v's is `crc32c`; raises ChecksumMismatch otherwise.
 
@@ -134,7 +135,9 @@ def ingest_blocks(k_dst: torch.Tensor, v_dst: torch.Tensor, block_ids: Sequence[
     if (fused is not None and k_dst.is_contiguous() and v_dst.is_contiguous()
             and k.is_contiguous() and v.is_contiguous() and k.dtype == k_dst.dtype
             and v.dtype == v_dst.dtype and k.device.type == v.device.type == "cpu"):
-        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        # from numpy: a quarter of torch.tensor(list)'s cost for a 4k prompt's 256 ids,
+        # and this runs once per received chunk on the engine thread
+        ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
         got = fused(k_dst, v_dst, ids, k, v)
     else:
         got = crc32c_of(_bytes_of(v.contiguous()), crc32c_of(_bytes_of(k.contiguous())))
