@@ -426,12 +426,13 @@ def test_queued_kv_writes_applied_in_one_drain_in_order(tiny_model_dir):
     async def main():
         eng = tiny_engine(tiny_model_dir, block_size=16)
         aeng = AsyncEngine(eng)
+        busy, gate = threading.Event(), threading.Event()
         aeng.start()
         try:
             res = await aeng.reserve("r", PROMPT, GREEDY)
             phys = list(res.block_ids)
-            gate = threading.Event()
-            aeng._cmds.put((gate.wait, None))  # the engine thread is busy until set
+            aeng._cmds.put((lambda: busy.set() or gate.wait(), None))
+            await asyncio.to_thread(busy.wait)  # the engine thread is held until the gate
             gen = torch.Generator().manual_seed(1)
             shape = (len(phys), *eng.kv_spec.block_shape)
             sent, futs = [], []
@@ -441,7 +442,7 @@ def test_queued_kv_writes_applied_in_one_drain_in_order(tiny_model_dir):
                 futs.append(aeng.write_kv("r", layer, range(len(phys)), k, v, _crc(k, v)))
             futs.append(aeng.write_kv("r", 0, [1], k[:1], v[:1], _crc(k[:1], v[:1]) ^ 1))
             futs.append(aeng.write_kv("gone", 0, [0], k[:1], v[:1], 0))
-            assert aeng._cmds.qsize() == 2  # the gate, then one drain for every write
+            assert aeng._cmds.qsize() == 1  # one drain command for every write
             commit = asyncio.ensure_future(aeng.commit("r", 5))
             gate.set()
             outcomes = [await asyncio.wrap_future(f) for f in futs[:-2]]
@@ -458,6 +459,7 @@ def test_queued_kv_writes_applied_in_one_drain_in_order(tiny_model_dir):
             assert not aeng._kv_drain_queued and not aeng._kv_writes
             assert await aeng.cancel_reservation("r")
         finally:
+            gate.set()  # a failed assertion must not leave the engine thread held
             await aeng.stop()
         assert_pool_clean(eng)
 
