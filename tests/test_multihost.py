@@ -321,6 +321,16 @@ def kv_reference(tiny_model_dir) -> list[int]:
     return engine.generate([_kv_prompt()], greedy)[0].token_ids
 
 
+def _full_kv_bytes(hosts, gw: str, kv_reference) -> float:
+    """The KV prompt's whole KV as the decode workers count it, from one fault-free run."""
+    before = hosts.kv_received_bytes()
+    assert hosts.probe("generate", gateway=gw, prompts=[_kv_prompt()],
+                       max_tokens=MAX_TOKENS) == [kv_reference]
+    full = hosts.kv_received_bytes() - before
+    assert full > 0
+    return full
+
+
 def test_prefill_link_down_while_kv_crosses_runs_colocated(hosts, reference, kv_reference):
     try:
         hosts.topo.limit_rate("prefill", PREFILL_KBIT)
@@ -329,12 +339,7 @@ def test_prefill_link_down_while_kv_crosses_runs_colocated(hosts, reference, kv_
     gw = hosts.grpc("gw-a")
     colocated_before = hosts.log("gw-a").count("no prefill worker left; running it colocated")
     try:
-        # fault-free first: the request's whole KV, as the decode workers count it
-        before = hosts.kv_received_bytes()
-        assert hosts.probe("generate", gateway=gw, prompts=[_kv_prompt()],
-                           max_tokens=MAX_TOKENS) == [kv_reference]
-        full = hosts.kv_received_bytes() - before
-        assert full > 0
+        full = _full_kv_bytes(hosts, gw, kv_reference)
         out = hosts.probe("generate_cut_kv", gateway=gw, prompt=_kv_prompt(),
                           max_tokens=MAX_TOKENS, metrics=hosts.metrics_urls(),
                           argv=hosts.topo.link_argv("prefill", up=False))
@@ -370,11 +375,7 @@ def test_decode_link_down_while_kv_crosses_migrates(hosts, reference, kv_referen
     gw = hosts.grpc("gw-a")
     log_from = len(hosts.log("gw-a"))
     try:
-        before = hosts.kv_received_bytes()
-        assert hosts.probe("generate", gateway=gw, prompts=[_kv_prompt()],
-                           max_tokens=MAX_TOKENS) == [kv_reference]
-        full = hosts.kv_received_bytes() - before
-        assert full > 0
+        full = _full_kv_bytes(hosts, gw, kv_reference)
         out = hosts.probe("generate_cut_kv", gateway=gw, prompt=_kv_prompt(),
                           max_tokens=MAX_TOKENS, metrics=hosts.metrics_urls(),
                           argv=[hosts.topo.link_argv(d, up=False) for d in DECODERS],
