@@ -119,7 +119,9 @@ def test_decode_worker_stopped_then_continued(chaos):
 
 # -- a decode worker killed mid-stream --------------------------------------------------------
 
-LONG_TOKENS = 200
+# long enough that no stream can finish while the slowest is still reaching KILL_AFTER
+# (at 200, under CI load, one stream alone on a worker finished first)
+LONG_TOKENS = 600
 KILL_AFTER = 10  # tokens every stream has received before the kill
 
 
