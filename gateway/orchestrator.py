@@ -371,20 +371,22 @@ class Orchestrator:
         `stream_idle_s` of the last (keepalive chunks count), else UNAVAILABLE; at once
         `WorkerLost` when the registry drops the worker."""
         who = f"decode worker {slot.worker.address}"
-        while True:
-            try:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
-                # that lands as the read completes, and with tokens arriving every few ms a
-                # client that left kept its request streaming into a full outbox
-                with ended_by_drop(slot):
+        # around the whole stream, not each read: this loop runs per token message
+        with ended_by_drop(slot):
+            while True:
+                try:
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a
+                    # cancellation that lands as the read completes, and with tokens arriving
+                    # every few ms a client that left kept its request streaming into a full
+                    # outbox
                     async with asyncio.timeout(self.stream_idle_s):
                         ch = await call.read()
-            except TimeoutError:
-                raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} sent nothing for "
-                                   f"{self.stream_idle_s:g}s (stalled?)") from None
-            if ch is grpc.aio.EOF:
-                return
-            yield ch
+                except TimeoutError:
+                    raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} sent nothing for "
+                                       f"{self.stream_idle_s:g}s (stalled?)") from None
+                if ch is grpc.aio.EOF:
+                    return
+                yield ch
 
     async def _colocated(self, req: GenerationRequest, decodes: list[Worker], trace: _Trace
                          ) -> AsyncIterator[decode_pb2.TokenChunk]:
