@@ -79,7 +79,7 @@ def _under(chaos, fault: str, retry_s: float = 0.0) -> list:
     cluster, load, reference = chaos
     restarts, moves = cluster.restarts, _moves(cluster)
     faulter = threading.Thread(target=lambda: (
-        time.sleep(FAULT_AT_S), inject(cluster, fault, STOP_S, busy_within_s=2.0)), daemon=True)
+        time.sleep(FAULT_AT_S), inject(cluster, fault, STOP_S, busy_within_s=5.0)), daemon=True)
     faulter.start()
     outs = asyncio.run(run_load(cluster.endpoints.grpc_address, load, rate=RATE,
                                 retry_s=retry_s, timeout_s=120))

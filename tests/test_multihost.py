@@ -392,11 +392,15 @@ def test_decode_link_down_while_kv_crosses_migrates(hosts, reference, kv_referen
         assert out["result"] == kv_reference
         if not too_late:
             # dropped at the heartbeat timeout, not at the Prefill call's rpc timeout:
-            # migrated to the other decode worker, which received the whole KV again
+            # migrated to the other decode worker, which received the whole KV again, or,
+            # where the retry's prefill failed too (the prefill worker may still be stuck
+            # pushing to the cut link under CI load), ran it colocated there
             log = hosts.log("gw-a")[log_from:]
             assert f"decode worker {hosts.grpc(cut)} dropped: missed heartbeats" in log, log
             assert "migrating (1 of at most" in log, log
-            assert out["at_end"][1 - out["cut"]] - out["base"][1 - out["cut"]] >= full, out
+            if "running it colocated" not in log:
+                assert out["at_end"][1 - out["cut"]] - out["base"][1 - out["cut"]] >= full, (
+                    out, log)
             hosts.assert_pools_clean(names=("prefill", other))
     finally:
         for d in DECODERS:

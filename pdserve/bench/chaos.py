@@ -142,17 +142,30 @@ def _busy(cluster: LocalCluster, name: str) -> bool:
     return load.num_running + load.num_waiting + load.queue_depth > 0
 
 
+def _first_busy(cluster: LocalCluster, names: list[str], within_s: float) -> str | None:
+    """The first of `names` seen with requests in hand within `within_s`, polled in turn."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        for name in names:
+            if _busy(cluster, name):
+                return name
+        time.sleep(0.01)
+    return None
+
+
 def inject(cluster: LocalCluster, fault: str, stop_s: float = 5.0,
            busy_within_s: float = 0.0) -> str:
     """Fire one of FAULTS (blocks for `stop_s` for a stop); returns the victim's name.
     With `busy_within_s`, a worker is hit once it has requests in hand (or when that time
     has passed), so the fault lands mid-request. A killed child is restarted by whoever
-    supervises the cluster. The decode victim is decode-0, the one ties route to."""
+    supervises the cluster. The victim is the first worker of its tier found busy (with
+    two decode workers, load can sit on either), else the tier's first worker."""
     action, tier = fault.split("-", 1)
-    victim = {"prefill": "prefill-0", "decode": "decode-0", "gateway": "gateway"}[tier]
-    end = time.monotonic() + busy_within_s
-    while victim != "gateway" and time.monotonic() < end and not _busy(cluster, victim):
-        time.sleep(0.01)
+    if tier == "gateway":
+        victim = "gateway"
+    else:
+        tier_workers = [w.name for w in cluster.endpoints.workers if w.tier == tier]
+        victim = _first_busy(cluster, tier_workers, busy_within_s) or tier_workers[0]
     pid = _pid(cluster, victim)
     if action in ("kill", "restart"):
         os.kill(pid, signal.SIGKILL)
