@@ -440,8 +440,9 @@ class Orchestrator:
                                         prompt_token_ids=req.prompt_token_ids,
                                         sampling=req.params.to_proto())
         last: GatewayError | None = None
-        for w in router.rank_decode(self._routable(decodes), len(req.prompt_token_ids),
-                                    self.inflight):
+        ranked = router.rank_decode(self._routable(decodes), len(req.prompt_token_ids),
+                                    self.inflight)
+        for i, w in enumerate(ranked):
             # counted from the moment it is chosen, not once the reservation returns: requests
             # routed while this Reserve is on the wire must see it, or a burst all lands on
             # the one worker that looked idle
@@ -465,6 +466,13 @@ class Orchestrator:
                 if not _may_retry(code, work_started=False):
                     raise err from None
                 last = err
+                # a capacity refusal is routine under load; a lost or silent worker is not
+                then = (f"trying decode worker {ranked[i + 1].address}" if i + 1 < len(ranked)
+                        else "no other decode worker to try")
+                log.log(logging.INFO if code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        else logging.WARNING, "request %s (cluster id %s): Reserve at decode "
+                        "worker %s failed: %s; %s", req.request_id, req.cluster_id, w.address,
+                        err.message, then)
             except BaseException:
                 self.inflight.close(slot)
                 raise

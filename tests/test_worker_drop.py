@@ -7,13 +7,14 @@ dropped worker's unary call and token stream end in `WorkerLost` (UNAVAILABLE na
 call tracked after the drop ends at once, and a cancellation aimed at the request's own task
 (the client left) stays a cancellation.
 
-Then real processes: a `LocalCluster` (1 prefill, 2 decode workers, every prompt
-disaggregated) whose gateway gives every call and every silent stream 120 s but drops a
-worker 3 s after its last heartbeat. The prefill worker SIGSTOPped as a request is sent (its
-Prefill call then hangs there), and the decode worker serving a long stream SIGSTOPped once
-tokens are flowing: each request completes, equal to the greedy reference, under a client
-deadline of 40 s, which only the drop can meet. SIGCONT: the worker registers again and
-every pool is clean.
+Then real processes: a `LocalCluster` (1 prefill, 2 decode workers; a 40-token prompt runs
+disaggregated, a 16-token one colocated) whose gateway gives every call and every silent
+stream 120 s but drops a worker 3 s after its last heartbeat. SIGSTOPped as a request is
+sent: the prefill worker (its Prefill call hangs there), the decode worker the request is
+routed to (its Reserve, or its colocated Generate, hangs there). SIGSTOPped once tokens are
+flowing: the decode worker serving a long stream, disaggregated or colocated. Each request
+completes, equal to the greedy reference, under a client deadline of 40 s, which only the
+drop can meet. SIGCONT: the worker registers again and every pool is clean.
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Callable
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
 
 import grpc
 import pytest
 from conftest import tiny_engine
+from prometheus_client.parser import text_string_to_metric_families
 from test_chaos import _running
 
 from pdserve.bench.chaos import held_blocks
 from pdserve.client import PdserveClient
-from pdserve.cluster import LocalCluster
+from pdserve.cluster import LocalCluster, WorkerEndpoint
 from pdserve.gateway.errors import ErrorKind
 from pdserve.gateway.inflight import InFlight, WorkerLost, ended_by_drop
+from pdserve.gateway.migration import MAX_MIGRATIONS
 from pdserve.gateway.registry import Load, Role, Worker
 from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -138,6 +143,8 @@ def test_the_requests_own_cancellation_stays_a_cancellation():
 HEARTBEAT_TIMEOUT_S = 3.0
 CLIENT_TIMEOUT_S = 40.0  # far below the gateway's 120 s bounds: only a drop meets it
 PROMPT = [(37 * j + 11) % 3000 + 60 for j in range(40)]
+SHORT_PROMPT = PROMPT[:16]
+DISAGG_THRESHOLD = 32  # PROMPT runs disaggregated, SHORT_PROMPT colocated
 MAX_TOKENS = 12
 LONG_TOKENS = 400  # still streaming when its decode worker stops
 
@@ -147,7 +154,7 @@ def cluster(tiny_model_dir):
     worker = ("--heartbeat-interval", "0.3")
     c = LocalCluster(
         model=tiny_model_dir, num_prefill=1, num_decode=2, http_port=0, grpc_port=0,
-        cpus="none", disagg_threshold=0,
+        cpus="none", disagg_threshold=DISAGG_THRESHOLD,
         engine_args=("--kv-cache-memory", "8MiB", "--threads", "1"),
         gateway_args=("--rpc-timeout", "120", "--stream-idle-timeout", "120",
                       "--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S:g}"),
@@ -160,20 +167,22 @@ def cluster(tiny_model_dir):
         c.stop()
 
 
-def _reference(model_dir: str, max_tokens: int) -> list[int]:
+def _reference(model_dir: str, max_tokens: int, prompt: Sequence[int] = PROMPT) -> list[int]:
     engine = tiny_engine(model_dir, num_threads=1)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return list(engine.generate([PROMPT], greedy)[0].token_ids)
+    return list(engine.generate([list(prompt)], greedy)[0].token_ids)
 
 
-async def _stream(address: str, max_tokens: int, on_tokens=None) -> list[int] | str:
-    """One greedy request of PROMPT under the client deadline: its tokens, or the status it
+async def _stream(address: str, max_tokens: int, on_tokens=None,
+                  prompt: Sequence[int] = PROMPT) -> list[int] | str:
+    """One greedy request of `prompt` under the client deadline: its tokens, or the status it
     ended with. `on_tokens(n)` after each chunk, n tokens in."""
     ids: list[int] = []
     try:
         async with PdserveClient(address) as c:
-            async for ch in c.generate(token_ids=PROMPT, max_tokens=max_tokens, temperature=0,
-                                       ignore_eos=True, timeout=CLIENT_TIMEOUT_S):
+            async for ch in c.generate(token_ids=list(prompt), max_tokens=max_tokens,
+                                       temperature=0, ignore_eos=True,
+                                       timeout=CLIENT_TIMEOUT_S):
                 ids.extend(ch.token_ids)
                 if on_tokens is not None:
                     on_tokens(len(ids))
@@ -194,6 +203,42 @@ def _back_and_clean(c: LocalCluster) -> None:
     c.wait_healthy(timeout=60)
     held = held_blocks(c)
     assert not any(held.values()), f"blocks held: {held}"
+
+
+def _gateway_metric(c: LocalCluster, name: str) -> float:
+    """A sample of the gateway's exposition, summed over its labels."""
+    with urllib.request.urlopen(c.endpoints.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+def _routed_next(c: LocalCluster) -> WorkerEndpoint:
+    """The decode worker the gateway routes the next request to, made certain: once no pool
+    holds anything and the gateway's own view of the decode tier (its KV usage gauge, from
+    heartbeats) is empty too, with nothing in flight, every decode worker costs the same and
+    the tie goes to the lowest worker id (router.rank_decode)."""
+    _back_and_clean(c)
+    end = time.monotonic() + 30
+    while (usage := _gateway_metric(c, "pdserve:kv_cache_usage_perc")) != 0:
+        assert time.monotonic() < end, f"the gateway still sees KV in use: {usage}"
+        time.sleep(0.1)
+    return min((w for w in c.endpoints.workers if w.tier == "decode"), key=lambda w: w.name)
+
+
+def _stop_the_serving_one(c: LocalCluster, stopped: list) -> Callable[[int], None]:
+    """An `on_tokens` for `_stream`: SIGSTOPs the decode worker running the stream once 10
+    tokens are in, noting (worker, tokens in) in `stopped`."""
+    decodes = [w for w in c.endpoints.workers if w.tier == "decode"]
+
+    def stop(n: int) -> None:
+        if not stopped and n >= 10:
+            victim = max(decodes, key=lambda w: _running(c, w))
+            assert _running(c, victim) == 1
+            os.kill(victim.pid, signal.SIGSTOP)
+            stopped.append((victim, n))
+
+    return stop
 
 
 def test_prefill_worker_dropped_mid_prefill_fails_over_at_once(cluster, tiny_model_dir):
@@ -220,18 +265,9 @@ def test_decode_worker_dropped_mid_stream_migrates_at_once(cluster, tiny_model_d
     want = _reference(tiny_model_dir, LONG_TOKENS)
     address = cluster.endpoints.grpc_address
     log = _log_from(cluster)
-    decodes = [w for w in cluster.endpoints.workers if w.tier == "decode"]
     stopped: list = []
-
-    def stop_the_serving_one(n: int) -> None:
-        if not stopped and n >= 10:
-            victim = max(decodes, key=lambda w: _running(cluster, w))
-            assert _running(cluster, victim) == 1
-            os.kill(victim.pid, signal.SIGSTOP)
-            stopped.append((victim, n))
-
     try:
-        out = asyncio.run(_stream(address, LONG_TOKENS, stop_the_serving_one))
+        out = asyncio.run(_stream(address, LONG_TOKENS, _stop_the_serving_one(cluster, stopped)))
     finally:
         for victim, _ in stopped:
             os.kill(victim.pid, signal.SIGCONT)
@@ -242,4 +278,63 @@ def test_decode_worker_dropped_mid_stream_migrates_at_once(cluster, tiny_model_d
     text = log()
     assert f"decode worker {victim.address} dropped: missed heartbeats" in text, text
     assert "; migrating (1 of at most" in text, text
+    _back_and_clean(cluster)
+
+
+def test_decode_worker_dropped_mid_reserve_passes_it_to_the_other(cluster, tiny_model_dir):
+    want = _reference(tiny_model_dir, MAX_TOKENS)
+    address = cluster.endpoints.grpc_address
+    victim = _routed_next(cluster)
+    other = next(w for w in cluster.endpoints.workers
+                 if w.tier == "decode" and w.name != victim.name)
+    log = _log_from(cluster)
+    # stopped before the request is sent: the gateway still routes to it for up to the
+    # heartbeat timeout, so the request's Reserve goes there and hangs
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        out = asyncio.run(_stream(address, MAX_TOKENS))
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    assert out == want
+    text = log()
+    assert (f"Reserve at decode worker {victim.address} failed: decode worker "
+            f"{victim.address} dropped: missed heartbeats") in text, text
+    assert f"; trying decode worker {other.address}" in text, text
+    assert "; migrating" not in text, text  # refused before any work: passed over, not moved
+    _back_and_clean(cluster)
+
+
+@pytest.mark.parametrize("when", ["before_sending", "mid_stream"])
+def test_decode_worker_dropped_under_a_colocated_generate_migrates_at_once(
+        cluster, tiny_model_dir, when):
+    max_tokens = MAX_TOKENS if when == "before_sending" else LONG_TOKENS
+    want = _reference(tiny_model_dir, max_tokens, SHORT_PROMPT)
+    address = cluster.endpoints.grpc_address
+    stopped: list = []
+    on_tokens = None
+    if when == "before_sending":
+        victim = _routed_next(cluster)
+    else:
+        on_tokens = _stop_the_serving_one(cluster, stopped)
+    transfers = _gateway_metric(cluster, "pdserve:kv_transfer_bytes_count")
+    log = _log_from(cluster)
+    if when == "before_sending":
+        # the gateway still routes to it, so the request's Generate goes there and hangs
+        os.kill(victim.pid, signal.SIGSTOP)
+        stopped.append((victim, 0))
+    try:
+        out = asyncio.run(_stream(address, max_tokens, on_tokens, SHORT_PROMPT))
+    finally:
+        for victim, _ in stopped:
+            os.kill(victim.pid, signal.SIGCONT)
+    assert stopped, "the stream ended before 10 tokens"
+    (victim, at), = stopped
+    assert at < max_tokens
+    assert out == want
+    # colocated: no prefill worker's KV reached a decode worker for it
+    assert _gateway_metric(cluster, "pdserve:kv_transfer_bytes_count") == transfers
+    text = log()
+    assert f"decode worker {victim.address} dropped: missed heartbeats" in text, text
+    moved = f"; migrating (1 of at most {MAX_MIGRATIONS})"
+    assert (moved + " with 0 tokens streamed" if at == 0 else moved) in text, text
     _back_and_clean(cluster)
