@@ -213,16 +213,24 @@ def _gateway_metric(c: LocalCluster, name: str) -> float:
                if s.name == name)
 
 
-def _routed_next(c: LocalCluster) -> WorkerEndpoint:
-    """The decode worker the gateway routes the next request to, made certain: once no pool
-    holds anything and the gateway's own view of the decode tier (its KV usage gauge, from
-    heartbeats) is empty too, with nothing in flight, every decode worker costs the same and
-    the tie goes to the lowest worker id (router.rank_decode)."""
-    _back_and_clean(c)
-    end = time.monotonic() + 30
-    while (usage := _gateway_metric(c, "pdserve:kv_cache_usage_perc")) != 0:
-        assert time.monotonic() < end, f"the gateway still sees KV in use: {usage}"
-        time.sleep(0.1)
+def _routed_next(c: LocalCluster, prompt: Sequence[int]) -> WorkerEndpoint:
+    """The decode worker the gateway routes the next request of `prompt` to, made certain,
+    with the gateway's channel there open, as it is to any worker it has served (a channel
+    still connecting to a stopped worker fails on its own, at gRPC's connect timeout).
+    Certain: once no pool holds anything and the gateway's own view of the decode tier (its
+    KV usage gauge, from heartbeats) is empty too, with nothing in flight, every decode
+    worker costs the same and the tie goes to the lowest worker id (router.rank_decode)."""
+    def settled() -> None:
+        _back_and_clean(c)
+        end = time.monotonic() + 30
+        while (usage := _gateway_metric(c, "pdserve:kv_cache_usage_perc")) != 0:
+            assert time.monotonic() < end, f"the gateway still sees KV in use: {usage}"
+            time.sleep(0.1)
+
+    settled()
+    out = asyncio.run(_stream(c.endpoints.grpc_address, 1, prompt=prompt))  # opens it
+    assert isinstance(out, list), out
+    settled()
     return min((w for w in c.endpoints.workers if w.tier == "decode"), key=lambda w: w.name)
 
 
@@ -284,7 +292,7 @@ def test_decode_worker_dropped_mid_stream_migrates_at_once(cluster, tiny_model_d
 def test_decode_worker_dropped_mid_reserve_passes_it_to_the_other(cluster, tiny_model_dir):
     want = _reference(tiny_model_dir, MAX_TOKENS)
     address = cluster.endpoints.grpc_address
-    victim = _routed_next(cluster)
+    victim = _routed_next(cluster, PROMPT)
     other = next(w for w in cluster.endpoints.workers
                  if w.tier == "decode" and w.name != victim.name)
     log = _log_from(cluster)
@@ -313,7 +321,7 @@ def test_decode_worker_dropped_under_a_colocated_generate_migrates_at_once(
     stopped: list = []
     on_tokens = None
     if when == "before_sending":
-        victim = _routed_next(cluster)
+        victim = _routed_next(cluster, SHORT_PROMPT)
     else:
         on_tokens = _stop_the_serving_one(cluster, stopped)
     transfers = _gateway_metric(cluster, "pdserve:kv_transfer_bytes_count")
