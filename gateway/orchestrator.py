@@ -443,6 +443,8 @@ class Orchestrator:
         ranked = router.rank_decode(self._routable(decodes), len(req.prompt_token_ids),
                                     self.inflight)
         for i, w in enumerate(ranked):
+            if i and not self._routable([w]):
+                continue  # dropped while an earlier Reserve hung: a call there would too
             # counted from the moment it is chosen, not once the reservation returns: requests
             # routed while this Reserve is on the wire must see it, or a burst all lands on
             # the one worker that looked idle
