@@ -208,3 +208,23 @@ def test_build_without_avx512(tmp_path, march, paths):
         asm = subprocess.run(["objdump", "-d", lines[-1]], capture_output=True,
                              text=True).stdout
         assert re.search(r"\tcrc32", asm) and not re.search(r"\tvpclmulqdq", asm)
+
+
+def test_schemas_and_fakes():
+    """Typed at the call (the dispatcher checks the types), and the fakes run the same checks
+    on metadata alone."""
+    ops = torch.ops.pdserve
+    assert str(ops.copy_crc32c.default._schema) == (
+        "pdserve::copy_crc32c(Tensor(a0!) dst, Tensor src, SymInt crc=0, str path=\"auto\") "
+        "-> SymInt")
+    assert str(ops.ingest_kv_blocks.default._schema).endswith(
+        "Tensor k, Tensor v, str path=\"auto\") -> SymInt")
+    with pytest.raises(RuntimeError):
+        copy_crc32c(torch.zeros(4, dtype=torch.uint8), torch.ones(1), "0")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        dst, src = torch.empty(8, dtype=torch.uint8), torch.empty(2)
+        assert copy_crc32c(dst, src, 5) == 0
+        with pytest.raises(ValueError, match="^dst must be uint8"):
+            copy_crc32c(dst[:7], src)

@@ -11,7 +11,8 @@ each (189 MB is several times the last-level cache). Variants:
     memcpy          torch `copy_` of each part, no CRC (the floor)
     pieces          main's sender: 256 KiB slices copied into the segment, then `crc32c()`
     <path>          `pdserve::copy_crc32c` on each 3.1 MB K or V part (the sender's call)
-    <path>/block    the same per 12 KiB block (the receiver's ingest granularity)
+    <path>/ingest   `pdserve::ingest_kv_blocks` of each layer's K and V into a cache of the
+                    same size (the receiver's call: 12 KiB blocks, ascending ids)
 
 for every path compiled in. GB/s of payload, min / median over rounds.
 """
@@ -27,6 +28,7 @@ import torch
 from crc32c import crc32c
 
 from pdserve.engine.cpu_kernels.crc_copy import compiled_paths, copy_crc32c
+from pdserve.engine.cpu_kernels.kv_ingest import ingest_kv_blocks
 
 torch.set_num_threads(1)
 ROUNDS, TOKENS = (int(a) for a in sys.argv[1:3])
@@ -73,20 +75,35 @@ def fused(path: str, step: int):
     return run
 
 
+blocks = part_bytes // BLOCK_BYTES
+cache = torch.zeros(LAYERS, 2, blocks, BLOCK_BYTES, dtype=torch.uint8)
+ids = torch.arange(blocks)
+want_layers = [crc32c(parts[2 * i + 1].numpy(), crc32c(parts[2 * i].numpy()))
+               for i in range(LAYERS)]
+
+
+def ingest(path: str):
+    def run() -> list[int]:
+        return [ingest_kv_blocks(cache[i, 0], cache[i, 1], ids,
+                                 parts[2 * i].view(blocks, -1), parts[2 * i + 1].view(blocks, -1),
+                                 path) for i in range(LAYERS)]
+    return run
+
+
 variants = {"memcpy": memcpy, "pieces": pieces}
-for path in compiled_paths():
-    if path != "portable":
-        variants[path] = fused(path, part_bytes)
-        variants[path + "/block"] = fused(path, BLOCK_BYTES)
+fast = [path for path in compiled_paths() if path != "portable"]
+variants.update({path: fused(path, part_bytes) for path in fast})
+variants.update({path + "/ingest": ingest(path) for path in fast})
 times: dict[str, list[float]] = {name: [] for name in variants}
 for _ in range(ROUNDS):
     for name, fn in variants.items():
-        dst.zero_()  # untimed: the segment's old contents out of the cache
+        out = cache if name.endswith("/ingest") else dst
+        out.zero_()  # untimed: the destination's old contents out of the cache
         t = time.perf_counter()
         got = fn()
         times[name].append(time.perf_counter() - t)
-        assert got == want, name
-        assert torch.equal(dst, src), name
+        assert got == (want_layers if name.endswith("/ingest") else want), name
+        assert torch.equal(out.view(-1), src), name
 print(f"{total / 1e6:.0f} MB, {ROUNDS} rounds, load average {os.getloadavg()}")
 for name, ts in times.items():
     print(f"{name:14s} GB/s min {total / max(ts) / 1e9:5.2f}  median "
