@@ -19,7 +19,8 @@ out, and each read of a parsed `bytes` field makes a fresh copy):
   appends the payload field itself, copying the tensors once, straight into the message.
   The result is byte-identical to `KVMessage(chunk=...).SerializeToString()`.
 - `encode_layer_descriptors` (the shared-memory sender) writes the payload into the
-  reservation's segment (`pdserve.kvtransfer.shm`) and sends the header with a descriptor
+  reservation's segment (`pdserve.kvtransfer.shm`), taking its CRC-32C in the same pass
+  (the C op `pdserve::copy_crc32c`), and sends the header with a descriptor
   (`KVChunk.shm`: offset, length) in place of the payload field.
 - `parse_message` (the receiver's gRPC deserializer) walks the message's field tags and
   lengths, parses everything but the payload with protobuf, and returns the payload as a
@@ -30,8 +31,10 @@ out, and each read of a parsed `bytes` field makes a fresh copy):
 
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +46,10 @@ from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.protos.pdserve.v1 import common_pb2, kvtransfer_pb2
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
-# copy-then-checksum granule of the shared-memory encoder: well inside a core's L2
+# copy-then-checksum granule of the shared-memory encoder without its C op: inside L2
 _CACHED_PIECE_BYTES = 256 << 10
 
 # protobuf keys (field number << 3 | wire type 2, length-delimited) of the two fields the
@@ -116,9 +121,9 @@ def blocks_per_chunk(block_bytes: int, max_chunk_bytes: int) -> int:
 def _layer_parts(
     reservation_id: str, layer: int, block_indices: Sequence[int], k: torch.Tensor,
     v: torch.Tensor, first_seq: int, max_chunk_bytes: int, checksum: bool = True,
-) -> Iterator[tuple[kvtransfer_pb2.KVChunk, memoryview, memoryview]]:
-    """(header with crc32c but no payload, K bytes, V bytes) of each chunk of one layer;
-    crc32c left 0 when not `checksum` (the caller computes it)."""
+) -> Iterator[tuple[kvtransfer_pb2.KVChunk, torch.Tensor, torch.Tensor]]:
+    """(header with crc32c but no payload, K blocks, V blocks: contiguous CPU tensors) of
+    each chunk of one layer; crc32c left 0 when not `checksum` (the caller computes it)."""
     if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(
             f"k and v must be 4-D of equal shape and dtype, got {tuple(k.shape)} {k.dtype} "
@@ -135,7 +140,7 @@ def _layer_parts(
     step = blocks_per_chunk(block_bytes, max_chunk_bytes)
     for i, start in enumerate(range(0, n, step)):
         end = min(start + step, n)
-        k_bytes, v_bytes = _as_bytes(k[start:end]), _as_bytes(v[start:end])
+        k_part, v_part = k[start:end], v[start:end]
         header = kvtransfer_pb2.KVChunk(
             reservation_id=reservation_id,
             layer=layer,
@@ -143,9 +148,10 @@ def _layer_parts(
             dtype=dtype,
             shape=[end - start, *k.shape[1:]],
             seq=first_seq + i,
-            crc32c=crc32c(v_bytes, crc32c(k_bytes)) if checksum else 0,  # of K then V
+            # of K then V
+            crc32c=crc32c(_as_bytes(v_part), crc32c(_as_bytes(k_part))) if checksum else 0,
         )
-        yield header, k_bytes, v_bytes
+        yield header, k_part, v_part
 
 
 def encode_layer(
@@ -163,10 +169,10 @@ def encode_layer(
 
     k, v: [n, block_size, kv_heads, head_dim], same shape and dtype, any device.
     """
-    for header, k_bytes, v_bytes in _layer_parts(
+    for header, k_part, v_part in _layer_parts(
         reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes
     ):
-        header.payload = b"".join((k_bytes, v_bytes))
+        header.payload = b"".join((_as_bytes(k_part), _as_bytes(v_part)))
         yield header
 
 
@@ -191,9 +197,10 @@ def encode_layer_messages(
 ) -> Iterator[EncodedChunk]:
     """The chunks of `encode_layer`, each serialized as a `KVMessage` (the same bytes), with
     the tensors copied once, straight into the message."""
-    for header, k_bytes, v_bytes in _layer_parts(
+    for header, k_part, v_part in _layer_parts(
         reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes
     ):
+        k_bytes, v_bytes = _as_bytes(k_part), _as_bytes(v_part)
         head = header.SerializeToString()
         size = k_bytes.nbytes + v_bytes.nbytes
         # protobuf writes fields in number order, so the payload (field 8) goes last
@@ -221,29 +228,67 @@ def encode_layer_descriptors(
     its descriptor (`KVChunk.shm`: offset, length) instead of the payload. Header and
     CRC-32C are those of `encode_layer`. Raises ValueError when the segment is too small.
 
-    The CRC-32C is taken of the bytes just written, a piece at a time while they are still
-    in the CPU cache, rather than in a pass of its own over the tensors: one trip through
-    memory instead of two."""
-    for header, k_bytes, v_bytes in _layer_parts(
+    Each K or V part is copied into the segment by one C call that takes its CRC-32C in the
+    same pass (`pdserve::copy_crc32c`), continuing the chunk's running CRC: one trip
+    through memory instead of two (`_copy_with_crc32c`)."""
+    for header, k_part, v_part in _layer_parts(
         reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes,
         checksum=False,
     ):
-        end = offset + k_bytes.nbytes + v_bytes.nbytes
+        end = offset + _nbytes(k_part) + _nbytes(v_part)
         if end > segment.nbytes:
             raise ValueError(f"shm segment of {segment.nbytes} bytes is full at {offset}")
         crc, at = 0, offset
-        for part in (k_bytes, v_bytes):
-            for start in range(0, part.nbytes, _CACHED_PIECE_BYTES):
-                piece = part[start:start + _CACHED_PIECE_BYTES]
-                segment[at:at + piece.nbytes] = piece
-                crc = crc32c(segment[at:at + piece.nbytes], crc)
-                at += piece.nbytes
+        for part in (k_part, v_part):
+            crc = _copy_with_crc32c(segment, at, part, crc, _copy_crc32c_op())
+            at += _nbytes(part)
         header.crc32c = crc
         header.shm.offset = offset
         header.shm.length = end - offset
         yield EncodedChunk(kvtransfer_pb2.KVMessage(chunk=header).SerializeToString(),
                            end - offset)
         offset = end
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@functools.cache
+def _copy_crc32c_op() -> Callable[..., int] | None:
+    """The C copy + CRC-32C op, loaded on first use; None (warned once) when it cannot be."""
+    try:
+        from pdserve.engine.cpu_kernels.crc_copy import copy_crc32c
+        from pdserve.engine.cpu_kernels.library import load
+
+        load()
+    except (RuntimeError, ImportError, OSError) as e:  # no compiler: the Python pieces
+        log.warning("KV shm sender: the C copy with CRC-32C is unavailable (%s); payloads "
+                    "are copied and checksummed in 256 KiB pieces",
+                    (str(e).splitlines() or [repr(e)])[0])
+        return None
+    return copy_crc32c
+
+
+def _copy_with_crc32c(segment: memoryview, at: int, part: torch.Tensor, crc: int,
+                      op: Callable[..., int] | None) -> int:
+    """segment[at:at + part's size] = part's bytes; returns their CRC-32C continued from
+    crc. op: `pdserve::copy_crc32c`, or None for pieces copied and then checksummed while
+    they are still in the CPU cache."""
+    n = _nbytes(part)
+    if n == 0:
+        return crc
+    if op is not None:
+        # a tensor over exactly these bytes, gone on return: a live one would keep the
+        # stream from releasing its view of the segment
+        return op(torch.frombuffer(segment, dtype=torch.uint8, count=n, offset=at), part, crc)
+    src = _as_bytes(part)
+    for start in range(0, n, _CACHED_PIECE_BYTES):
+        piece = src[start:start + _CACHED_PIECE_BYTES]
+        segment[at:at + piece.nbytes] = piece
+        crc = crc32c(segment[at:at + piece.nbytes], crc)
+        at += piece.nbytes
+    return crc
 
 
 class _NotPlain(Exception):

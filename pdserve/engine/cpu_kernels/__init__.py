@@ -4,8 +4,9 @@ ctypes behind typed torch ops (no torch headers, so a build takes seconds, not m
 
 `build` compiles and caches the library, `library` loads it and registers the ops
 (`torch.ops.pdserve.*`); `paged_decode` / `paged_prefill` are the attention ops and
-`layer_ops` the element-wise layer ops, `kv_ingest` the copy of received KV into the cache
-fused with its CRC-32C check; `common.h` holds what the .c files share.
+`layer_ops` the element-wise layer ops, `crc_copy` a copy fused with its CRC-32C (the shm
+KV sender's), `kv_ingest` the copy of received KV into the cache fused with the same CRC-32C
+check; `common.h` holds what the .c files share.
 Nothing is imported here, so `python -m pdserve.engine.cpu_kernels.build` runs the module
 exactly once.
 """

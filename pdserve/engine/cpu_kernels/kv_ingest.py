@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.cpu_kernels.crc_copy import check_path, path_code
 from pdserve.engine.cpu_kernels.library import load, register_fake, require, typed_op
 
 
 def _check(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-           k: torch.Tensor, v: torch.Tensor) -> None:
+           k: torch.Tensor, v: torch.Tensor, path: str) -> None:
     require(k_cache=k_cache, v_cache=v_cache, block_ids=block_ids, k=k, v=v)
+    check_path(path)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t.device.type != "cpu" or not t.is_contiguous() or t.dim() < 1:
             raise ValueError(f"{name} must be a contiguous CPU tensor, got shape "
@@ -37,14 +39,16 @@ def _check(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
 
 @typed_op("ingest_kv_blocks", mutates_args=("k_cache", "v_cache"))
 def ingest_kv_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> int:
+                     k: torch.Tensor, v: torch.Tensor, path: str = "auto") -> int:
     """k_cache[block_ids[i]] = k[i] and v_cache[block_ids[i]] = v[i] for every i; returns the
     CRC-32C of k's bytes followed by v's, taken as they are copied.
 
     k_cache, v_cache: one layer's `[num_blocks, ...]`, contiguous; k, v: `[n, ...]` of the
     same block shape and dtype, contiguous; block_ids: int64 `[n]`, each in [0, num_blocks).
+    path: the CRC-32C implementation, as `pdserve::copy_crc32c`'s ("auto": the fastest).
     """
-    _check(k_cache, v_cache, block_ids, k, v)
+    _check(k_cache, v_cache, block_ids, k, v, path)
+    code = path_code(path)
     n = k.shape[0]
     if n == 0:
         return 0
@@ -54,10 +58,10 @@ def ingest_kv_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: to
     block_bytes = k[0].numel() * k.element_size()
     return int(load().ki_ingest_blocks(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
                                        v_cache.data_ptr(), block_ids.data_ptr(), n,
-                                       block_bytes))
+                                       block_bytes, code))
 
 
 @register_fake("ingest_kv_blocks")
-def _(k_cache, v_cache, block_ids, k, v):
-    _check(k_cache, v_cache, block_ids, k, v)
+def _(k_cache, v_cache, block_ids, k, v, path="auto"):
+    _check(k_cache, v_cache, block_ids, k, v, path)
     return 0

@@ -81,8 +81,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     # decode_stack.c
     lib.ds_decode_layers.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, p, p, i64, i64, i32]
     lib.ds_decode_layers.restype = i32
+    # crc_copy.c
+    lib.cc_copy_crc32c.argtypes = [p, p, i64, ctypes.c_uint32, i32]
+    lib.cc_copy_crc32c.restype = ctypes.c_uint32
+    lib.cc_paths.argtypes = []
+    lib.cc_paths.restype = i32
     # kv_ingest.c
-    lib.ki_ingest_blocks.argtypes = [p, p, p, p, p, i64, i64]
+    lib.ki_ingest_blocks.argtypes = [p, p, p, p, p, i64, i64, i32]
     lib.ki_ingest_blocks.restype = ctypes.c_uint32
 
 
