@@ -148,6 +148,7 @@ class Orchestrator:
         self.rpc_timeout_s = rpc_timeout_s
         self.stream_idle_s = stream_idle_s
         self.inflight = InFlight()  # this gateway's requests at each worker, their calls
+        self.streaming: set[TokenTimer] = set()  # the token timers of requests streaming now
         self.prefill_backlog = PrefillBacklog()
         self._tasks: set[asyncio.Task] = set()
 
@@ -215,23 +216,27 @@ class Orchestrator:
         out = TextOutput(self.tokenizer, req.prompt_token_ids, req.stop)
         timer = TokenTimer(self.metrics, req.arrival)
         chunks = self._migrating(req, trace)
-        async with contextlib.aclosing(chunks):
-            async for ch in chunks:
-                ids = tuple(ch.token_ids)
-                timer.arrived(len(ids))
-                text = out.add(ids)
-                lps = logprobs_from_proto(ch.logprobs)
-                if out.stopped or ch.finish_reason:
-                    if out.stopped:
-                        reason = "stop"  # leaving the loop cancels the request at D
-                    else:
-                        reason = finish_from_proto(ch.finish_reason) or STOP
-                        text += out.finish()
-                        trace.final = ch
-                    await emit(self._finish(req, trace, text, ids, lps, reason, ch, timer))
-                    return
-                if ids or text:
-                    await emit(GenerationDelta(text, ids, lps))
+        self.streaming.add(timer)  # its TPOT so far feeds the planner's decode signal
+        try:
+            async with contextlib.aclosing(chunks):
+                async for ch in chunks:
+                    ids = tuple(ch.token_ids)
+                    timer.arrived(len(ids))
+                    text = out.add(ids)
+                    lps = logprobs_from_proto(ch.logprobs)
+                    if out.stopped or ch.finish_reason:
+                        if out.stopped:
+                            reason = "stop"  # leaving the loop cancels the request at D
+                        else:
+                            reason = finish_from_proto(ch.finish_reason) or STOP
+                            text += out.finish()
+                            trace.final = ch
+                        await emit(self._finish(req, trace, text, ids, lps, reason, ch, timer))
+                        return
+                    if ids or text:
+                        await emit(GenerationDelta(text, ids, lps))
+        finally:
+            self.streaming.discard(timer)
         raise GatewayError(ErrorKind.UNAVAILABLE, "the worker's stream ended unfinished")
 
     async def _migrating(self, req: GenerationRequest, trace: _Trace

@@ -2,7 +2,8 @@
 
 Every `interval` the gateway's driver (server.py) hands `Planner.observe` one `Signals`
 snapshot — the live workers of each tier with their heartbeat load, and the gateway's own
-recent TTFT and the TPOT of the requests that finished recently — and gets a `Decision`
+recent TTFT and TPOT (of the requests that finished recently and of the long-enough
+streams still open: `decode_tpot`) — and gets a `Decision`
 back: the desired worker count per tier and at most one `Switch` to order
 (WorkerControl.SwitchRole). The rules:
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.gateway.registry import Role, Worker
@@ -79,8 +81,9 @@ class Signals:
     prefill: tuple[Worker, ...]  # live workers per tier (registry.alive)
     decode: tuple[Worker, ...]
     ttft_s: float | None = None  # mean over the recent window; None: no requests
-    # mean TPOT, (last token - first token) / (tokens - 1), of the requests finished in the
-    # window (the SLO's and /metrics' definition); None: none finished
+    # mean TPOT, (last token - first token) / (tokens - 1) (the SLO's and /metrics'
+    # definition), of the requests finished in the window and of the streams open with at
+    # least LIVE_TPOT_TOKENS tokens, so far; None: neither
     tpot_s: float | None = None
 
 
@@ -188,8 +191,28 @@ class WindowedMean:
 
     def add(self, now: float, count: float, total: float) -> float | None:
         """Record a snapshot; the mean over the window ending now, None without samples."""
+        n, t = self.totals(now, count, total)
+        return t / n if n > 0 else None
+
+    def totals(self, now: float, count: float, total: float) -> tuple[float, float]:
+        """Record a snapshot; (count, sum) of the samples in the window ending now."""
         self._snaps.append((now, count, total))
         while len(self._snaps) > 1 and now - self._snaps[1][0] >= self.window_s:
             self._snaps.popleft()
-        t0, c0, s0 = self._snaps[0]
-        return None if count <= c0 else (total - s0) / (count - c0)
+        _, c0, s0 = self._snaps[0]
+        return count - c0, total - s0
+
+
+# a stream counts toward the decode signal from this many tokens: its first gap (KV
+# transfer, admission: up to ~0.5 s here) then weighs at most 1/31 of its TPOT so far
+LIVE_TPOT_TOKENS = 32
+
+
+def decode_tpot(finished: tuple[float, float], streaming: Iterable[float]) -> float | None:
+    """The decode tier's TPOT signal: the mean over the requests that finished in the
+    window (`finished`: their count and TPOT sum) and the ones still streaming (their
+    TPOT so far); None with neither."""
+    n, total = finished
+    for t in streaming:
+        n, total = n + 1, total + t
+    return total / n if n > 0 else None

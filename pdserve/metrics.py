@@ -147,9 +147,15 @@ class TokenTimer:
         self.last = now
         self.count += n
 
+    def tpot(self) -> float | None:
+        """The request's TPOT as the SLO counts it, over the tokens streamed so far; None
+        before its second token."""
+        return (self.last - self.first) / (self.count - 1) if self.count > 1 else None
+
     def observe_tpot(self) -> None:
-        if self.count > 1:
-            self.m.tpot.observe((self.last - self.first) / (self.count - 1))
+        t = self.tpot()
+        if t is not None:
+            self.m.tpot.observe(t)
 
 
 class PlannerMetrics:

@@ -1,12 +1,16 @@
 """The planner's TPOT signal through a real gateway and decode worker (tiny random-weight
-model, 127.0.0.1): it is the SLO's TPOT — each finished request's (last token - first
-token) / (tokens - 1), the gateway's `pdserve:request_time_per_output_token_seconds` — and
-not the mean of every streamed gap, so a stream whose first gap is long (KV transfer,
-admission) does not read as high TPOT while its later tokens are still coming.
+model, 127.0.0.1): it is the SLO's TPOT — a request's (last token - first token) /
+(tokens - 1), the gateway's `pdserve:request_time_per_output_token_seconds` once it has
+finished — averaged over the requests that finished in the window and those still
+streaming with at least `LIVE_TPOT_TOKENS` tokens, so
 
-The long gap is made on the engine thread itself: a step listener holds the step that
-produced the request's 2nd token (its 1st is already on its way), so the gateway sees a
-first-to-second gap at least `FIRST_GAP_S` long whatever the machine's speed."""
+- a young stream whose first gap is long (KV transfer, admission) does not read as high
+  TPOT while its later tokens are still coming, and
+- a stream that has been slow for `LIVE_TPOT_TOKENS` tokens presses the decode tier before
+  it finishes (finished requests alone showed a slowdown a whole output later).
+
+The gaps are made on the engine thread itself: a step listener holds or slows the steps
+that produce the request's tokens, so the gateway sees them whatever the machine's speed."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_support import Cluster
 
 from pdserve.client import PdserveClient
-from pdserve.gateway.planner import PlannerConfig, PlannerMode
+from pdserve.gateway.planner import LIVE_TPOT_TOKENS, PlannerConfig, PlannerMode
 
 TPOT_SLO_S = 0.05
 FIRST_GAP_S = 0.6  # the held step: 12x the SLO, so 6 gaps with it average above the SLO
@@ -62,10 +66,10 @@ def _metrics(c: Cluster) -> dict[str, float]:
     return out
 
 
-async def _generate(address: str) -> list[int]:
+async def _generate(address: str, max_tokens: int = MAX_TOKENS) -> list[int]:
     async with PdserveClient(address) as client:
         ids: list[int] = []
-        async for ch in client.generate(token_ids=list(range(100, 140)), max_tokens=MAX_TOKENS,
+        async for ch in client.generate(token_ids=list(range(100, 140)), max_tokens=max_tokens,
                                         temperature=0, ignore_eos=True, timeout=60):
             ids.extend(ch.token_ids)
         return ids
@@ -113,4 +117,46 @@ def test_long_first_gap_does_not_read_as_high_tpot(tiny_model_dir):
     finally:
         first_gap.release.set()
         later.release.set()
+        c.close()
+
+
+class SlowSteps(Holds):
+    """Holds like `Holds`, and makes every step take at least `step_s` beforehand."""
+
+    def __init__(self, step_s: float, *gates: Gate) -> None:
+        super().__init__(*gates)
+        self.step_s = step_s
+
+    def __call__(self, deltas) -> None:  # on the engine thread
+        time.sleep(self.step_s)
+        super().__call__(deltas)
+
+
+def test_a_slow_stream_presses_decode_before_it_finishes(tiny_model_dir):
+    planner = PlannerConfig(mode=PlannerMode.SLO, ttft_slo_s=1e3, tpot_slo_s=TPOT_SLO_S,
+                            kv_high=1e9, sustain_s=1e6, interval_s=TICK_S, window_s=600)
+    c = Cluster(tiny_model_dir, planner=planner, heartbeat_timeout_s=10)
+    seen = LIVE_TPOT_TOKENS + 2
+    hold = Gate(seen + 1)  # held with `seen` tokens at the gateway and the request open
+    try:
+        d = c.add_worker("decode")
+        d.aengine.step_listeners.append(SlowSteps(2 * TPOT_SLO_S, hold))
+        c.wait_for(lambda: "pdserve:planner_pressure[decode]" in _metrics(c))
+        request = asyncio.run_coroutine_threadsafe(
+            _generate(c.gateway.grpc_address, max_tokens=seen + 8), c.lt.loop)
+        assert hold.reached.wait(60)
+        itl = "pdserve:inter_token_latency_seconds"
+        c.wait_for(lambda: _metrics(c)[itl + "_count"] >= seen - 1)
+        time.sleep(10 * TICK_S)
+        m = _metrics(c)
+        # nothing has finished, and every gap was twice the SLO: decode is pressed by the
+        # open stream's own TPOT so far
+        assert m["pdserve:request_time_per_output_token_seconds_count"] == 0
+        assert m["pdserve:planner_pressure[decode]"] >= 1.5, m
+        hold.release.set()
+        assert len(request.result(60)) == seen + 8
+        assert c.gateway.planner.num_switches == 0
+        c.assert_no_leaks()
+    finally:
+        hold.release.set()
         c.close()
