@@ -8,7 +8,8 @@ back: the desired worker count per tier and at most one `Switch` to order
 (WorkerControl.SwitchRole). The rules:
 
   pressure   prefill: queued prefill requests per prefill worker / `queue_high`, and in
-             `slo` mode also recent TTFT / the TTFT SLO (the larger counts);
+             `slo` mode also recent TTFT / the TTFT SLO, unless the decode tier is pressed
+             and no prompt waits at the prefill tier (the larger counts);
              decode:  KV-cache usage / `kv_high`, and in `slo` mode also TPOT / TPOT SLO.
   move       a worker to tier X when X's pressure >= 1 while the other tier's is <= `low`
              (the gap between 1 and `low` is the hysteresis band: a move never makes the
@@ -125,10 +126,17 @@ class Planner:
         used = total - sum(w.load.free_blocks for w in s.decode)
         d = (used / total if total else 0.0) / c.kv_high
         if c.mode is PlannerMode.SLO:
-            if s.ttft_s is not None:
-                p = max(p, s.ttft_s / c.ttft_slo_s)
             if s.tpot_s is not None:
                 d = max(d, s.tpot_s / c.tpot_slo_s)
+            # behind an overloaded decode tier TTFT stretches too (the reservation, the KV
+            # ingest and the first step wait on its batch): with the decode tier pressed
+            # and no prompt waiting at the prefill tier (no more calls in flight than
+            # workers to run them), TTFT is not the prefill tier's to fix. Read as prefill
+            # pressure, it held the move to decode back past the end of the elastic
+            # bench's long-output phase (docs/benchmarks.md section 7)
+            decode_bound = d >= 1.0 and s.prefill and queued <= len(s.prefill)
+            if s.ttft_s is not None and not decode_bound:
+                p = max(p, s.ttft_s / c.ttft_slo_s)
         return {Role.PREFILL: p, Role.DECODE: d}
 
     def observe(self, s: Signals) -> Decision:

@@ -173,6 +173,23 @@ def test_slo_mode_counts_ttft_and_tpot():
                                                Role.DECODE: pytest.approx(0.5)}
 
 
+def test_ttft_behind_a_pressed_decode_tier_is_not_prefill_pressure():
+    slo = Planner(PlannerConfig(mode=PlannerMode.SLO, ttft_slo_s=1.0, tpot_slo_s=0.1))
+    decode = (_worker("d", Role.DECODE),)
+    # decode pressed (TPOT 3x its SLO): TTFT counts for prefill only while a prompt waits
+    # there (one call running on the one prefill worker is no wait; a second one is)
+    for queue, prefill in ((0, 0.0), (1, 0.5), (2, 3.0)):
+        s = Signals(0.0, (_worker("p", Role.PREFILL, queue=queue),), decode, ttft_s=3.0,
+                    tpot_s=0.3)
+        assert slo.pressure(s) == {Role.PREFILL: prefill, Role.DECODE: pytest.approx(3.0)}
+    # decode not pressed: a long TTFT is the prefill tier's, queue or not
+    s = Signals(0.0, (_worker("p", Role.PREFILL),), decode, ttft_s=3.0, tpot_s=0.05)
+    assert slo.pressure(s)[Role.PREFILL] == 3.0
+    # no prefill worker: decode workers prefill colocated, and TTFT is the prefill signal
+    s = Signals(0.0, (), decode, ttft_s=3.0, tpot_s=0.3)
+    assert slo.pressure(s)[Role.PREFILL] == 3.0
+
+
 def test_config_rejects_a_band_without_gap():
     with pytest.raises(ValueError, match="low"):
         PlannerConfig(low=1.0)
