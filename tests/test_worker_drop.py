@@ -25,6 +25,7 @@ import signal
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import pytest
@@ -191,6 +192,32 @@ async def _stream(address: str, max_tokens: int, on_tokens=None,
     return ids
 
 
+def _sent_while_stopped(pid: int, address: str) -> list[int] | str:
+    """One PROMPT request (`_stream`, MAX_TOKENS) sent while process `pid` is SIGSTOPped;
+    SIGCONT once it has ended."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        return asyncio.run(_stream(address, MAX_TOKENS))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _stream_then_continue(address: str, max_tokens: int, stopped: list, on_tokens=None,
+                          prompt: Sequence[int] = PROMPT) -> tuple[list[int] | str, Any, int]:
+    """`_stream`, then SIGCONT every worker in `stopped` ((worker, tokens seen when it was
+    stopped), filled before or during the stream); (output, the one worker stopped, tokens
+    seen then)."""
+    try:
+        out = asyncio.run(_stream(address, max_tokens, on_tokens, prompt))
+    finally:
+        for victim, _ in stopped:
+            os.kill(victim.pid, signal.SIGCONT)
+    assert stopped, "the stream ended before 10 tokens"
+    (victim, at), = stopped
+    assert at < max_tokens
+    return out, victim, at
+
+
 def _log_from(c: LocalCluster) -> Callable[[], str]:
     path = c.log_path("gateway")
     start = len(path.read_bytes())
@@ -255,14 +282,9 @@ def test_prefill_worker_dropped_mid_prefill_fails_over_at_once(cluster, tiny_mod
     assert asyncio.run(_stream(address, MAX_TOKENS)) == want  # fault-free, channels warm
     log = _log_from(cluster)
     prefill = next(w for w in cluster.endpoints.workers if w.tier == "prefill")
-    # stopped before the request is sent: the gateway still routes to it for up to the
-    # heartbeat timeout, so the request's Prefill call goes there and hangs
-    os.kill(prefill.pid, signal.SIGSTOP)
-    try:
-        out = asyncio.run(_stream(address, MAX_TOKENS))
-    finally:
-        os.kill(prefill.pid, signal.SIGCONT)
-    assert out == want
+    # the gateway still routes to it for up to the heartbeat timeout, so the request's
+    # Prefill call goes there and hangs
+    assert _sent_while_stopped(prefill.pid, address) == want
     text = log()
     assert f"prefill worker {prefill.address} dropped: missed heartbeats" in text, text
     assert "; failing over" in text and "no prefill worker left" in text, text
@@ -274,14 +296,8 @@ def test_decode_worker_dropped_mid_stream_migrates_at_once(cluster, tiny_model_d
     address = cluster.endpoints.grpc_address
     log = _log_from(cluster)
     stopped: list = []
-    try:
-        out = asyncio.run(_stream(address, LONG_TOKENS, _stop_the_serving_one(cluster, stopped)))
-    finally:
-        for victim, _ in stopped:
-            os.kill(victim.pid, signal.SIGCONT)
-    assert stopped, "the stream ended before 10 tokens"
-    (victim, at), = stopped
-    assert at < LONG_TOKENS
+    out, victim, _ = _stream_then_continue(address, LONG_TOKENS, stopped,
+                                           _stop_the_serving_one(cluster, stopped))
     assert out == want
     text = log()
     assert f"decode worker {victim.address} dropped: missed heartbeats" in text, text
@@ -296,14 +312,9 @@ def test_decode_worker_dropped_mid_reserve_passes_it_to_the_other(cluster, tiny_
     other = next(w for w in cluster.endpoints.workers
                  if w.tier == "decode" and w.name != victim.name)
     log = _log_from(cluster)
-    # stopped before the request is sent: the gateway still routes to it for up to the
-    # heartbeat timeout, so the request's Reserve goes there and hangs
-    os.kill(victim.pid, signal.SIGSTOP)
-    try:
-        out = asyncio.run(_stream(address, MAX_TOKENS))
-    finally:
-        os.kill(victim.pid, signal.SIGCONT)
-    assert out == want
+    # the gateway still routes to it for up to the heartbeat timeout, so the request's
+    # Reserve goes there and hangs
+    assert _sent_while_stopped(victim.pid, address) == want
     text = log()
     assert (f"Reserve at decode worker {victim.address} failed: decode worker "
             f"{victim.address} dropped: missed heartbeats") in text, text
@@ -330,14 +341,8 @@ def test_decode_worker_dropped_under_a_colocated_generate_migrates_at_once(
         # the gateway still routes to it, so the request's Generate goes there and hangs
         os.kill(victim.pid, signal.SIGSTOP)
         stopped.append((victim, 0))
-    try:
-        out = asyncio.run(_stream(address, max_tokens, on_tokens, SHORT_PROMPT))
-    finally:
-        for victim, _ in stopped:
-            os.kill(victim.pid, signal.SIGCONT)
-    assert stopped, "the stream ended before 10 tokens"
-    (victim, at), = stopped
-    assert at < max_tokens
+    out, victim, at = _stream_then_continue(address, max_tokens, stopped, on_tokens,
+                                            SHORT_PROMPT)
     assert out == want
     # colocated: no prefill worker's KV reached a decode worker for it
     assert _gateway_metric(cluster, "pdserve:kv_transfer_bytes_count") == transfers

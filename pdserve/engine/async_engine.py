@@ -287,8 +287,12 @@ class AsyncEngine:
                     self._fail_all(EngineFailed(self.failure))
                     continue
                 self.failure = None
+                # the stats first: a client that has seen its request finish must not then
+                # read stats from before the step that freed its blocks
+                self._stats = self._snapshot()
                 self._publish(deltas)
-            self._stats = self._snapshot()
+            else:
+                self._stats = self._snapshot()
 
     def _apply(self, cmd: tuple[Callable[[], Any], concurrent.futures.Future | None]) -> None:
         fn, fut = cmd
