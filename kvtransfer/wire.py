@@ -32,7 +32,6 @@ out, and each read of a parsed `bytes` field makes a fresh copy):
 from __future__ import annotations
 
 import functools
-import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,8 +44,6 @@ from pdserve.engine.kv_cache import dtype_name
 from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.sink import KVCommitInfo
 from pdserve.protos.pdserve.v1 import common_pb2, kvtransfer_pb2
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 # copy-then-checksum granule of the shared-memory encoder without its C op: inside L2
@@ -257,17 +254,10 @@ def _nbytes(t: torch.Tensor) -> int:
 @functools.cache
 def _copy_crc32c_op() -> Callable[..., int] | None:
     """The C copy + CRC-32C op, loaded on first use; None (warned once) when it cannot be."""
-    try:
-        from pdserve.engine.cpu_kernels.crc_copy import copy_crc32c
-        from pdserve.engine.cpu_kernels.library import load
+    from pdserve.engine.cpu_kernels.library import op_or_none
 
-        load()
-    except (RuntimeError, ImportError, OSError) as e:  # no compiler: the Python pieces
-        log.warning("KV shm sender: the C copy with CRC-32C is unavailable (%s); payloads "
-                    "are copied and checksummed in 256 KiB pieces",
-                    (str(e).splitlines() or [repr(e)])[0])
-        return None
-    return copy_crc32c
+    return op_or_none("crc_copy", "copy_crc32c", "KV shm sender: the C copy with CRC-32C",
+                      "payloads are copied and checksummed in 256 KiB pieces")
 
 
 def _copy_with_crc32c(segment: memoryview, at: int, part: torch.Tensor, crc: int,

@@ -278,6 +278,7 @@ class AsyncEngine:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
+            deltas: list[SeqDelta] = []
             if eng.has_unfinished():
                 try:
                     deltas = eng.step()
@@ -287,12 +288,10 @@ class AsyncEngine:
                     self._fail_all(EngineFailed(self.failure))
                     continue
                 self.failure = None
-                # the stats first: a client that has seen its request finish must not then
-                # read stats from before the step that freed its blocks
-                self._stats = self._snapshot()
-                self._publish(deltas)
-            else:
-                self._stats = self._snapshot()
+            # the stats first: a client that has seen its request finish must not then read
+            # stats from before the step that freed its blocks
+            self._stats = self._snapshot()
+            self._publish(deltas)
 
     def _apply(self, cmd: tuple[Callable[[], Any], concurrent.futures.Future | None]) -> None:
         fn, fut = cmd

@@ -15,14 +15,11 @@ caches, one core). Tensors on other devices use torch's ops.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from crc32c import crc32c as crc32c_of
-
-log = logging.getLogger(__name__)
 
 
 def _rows(t: torch.Tensor) -> np.ndarray | None:
@@ -106,16 +103,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 @functools.cache
 def _fused_op() -> Callable[..., int] | None:
     """The C op, imported on first use; None (warned once) when it cannot start."""
-    try:
-        from pdserve.engine.cpu_kernels.kv_ingest import ingest_kv_blocks
-        from pdserve.engine.cpu_kernels.library import load
+    from pdserve.engine.cpu_kernels.library import op_or_none
 
-        load()
-    except (RuntimeError, ImportError, OSError) as e:  # no compiler: two passes
-        log.warning("KV ingest: the C copy with CRC-32C is unavailable (%s); received KV "
-                    "is checked, then copied", (str(e).splitlines() or [repr(e)])[0])
-        return None
-    return ingest_kv_blocks
+    return op_or_none("kv_ingest", "ingest_kv_blocks", "KV ingest: the C copy with CRC-32C",
+                      "received KV is checked, then copied")
 
 
 def ingest_blocks(k_dst: torch.Tensor, v_dst: torch.Tensor,

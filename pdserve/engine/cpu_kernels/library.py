@@ -18,8 +18,11 @@ reaches the launcher's own check and its clear error, not a missing-kernel one.
 from __future__ import annotations
 
 import ctypes
+import importlib
+import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -27,6 +30,8 @@ from pdserve.engine.cpu_kernels.build import KernelBuildError, build
 
 # The dtype codes every kernel takes (0 = float32, 1 = bfloat16, the upper half of one).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+log = logging.getLogger(__name__)
 
 _LIB = torch.library.Library("pdserve", "DEF")  # the ops' namespace, kept for the process
 _lock = threading.Lock()
@@ -53,6 +58,22 @@ def load() -> ctypes.CDLL:
         if _error is not None:
             raise _error
         return _lib
+
+
+def op_or_none(module: str, name: str, what: str, instead: str) -> Callable[..., Any] | None:
+    """The launcher `name` of `pdserve.engine.cpu_kernels.<module>` once the library loads;
+    None, with a warning ("<what> is unavailable (why); <instead>"), when it cannot be
+    imported, built or loaded. For callers with a Python fallback; they cache the answer,
+    so each warns once."""
+    try:
+        op = getattr(importlib.import_module(f"pdserve.engine.cpu_kernels.{module}"), name)
+        load()
+    except (RuntimeError, ImportError, OSError) as e:  # no compiler, say
+        # one line: a compiler's stderr can run to pages; its first line names the problem
+        log.warning("%s is unavailable (%s); %s", what,
+                    (str(e).splitlines() or [repr(e)])[0], instead)
+        return None
+    return op
 
 
 def _declare(lib: ctypes.CDLL) -> None:
