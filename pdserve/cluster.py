@@ -3,10 +3,11 @@
 Life cycle of a `LocalCluster`:
 
 1. `start()` picks ports (the gateway's HTTP, gRPC and registry ports as configured, 0 = any
-   free; every worker's gRPC and metrics ports free and above the gateway's), then spawns
-   each tier with `python -m` in
-   its own session (so its own process group, and a Ctrl-C in the terminal reaches only
-   us), optionally pinned to CPU cores, its stdout and stderr going to `log_dir/NAME.log`.
+   free; every worker's gRPC and metrics ports free and next above the gateway's; ports it
+   picks stay below the kernel's ephemeral range, where no outgoing connection can take
+   them before the child binds), then spawns each tier with `python -m` in its own
+   session (so its own process group, and a Ctrl-C in the terminal reaches only us),
+   optionally pinned to CPU cores, its stdout and stderr going to `log_dir/NAME.log`.
 2. `wait_healthy(timeout)` polls every child's gRPC health service (`grpc.health.v1`,
    service "") until all are SERVING, the gateway's HTTP `/health` answers 200 and the
    gateway lists every worker (`ListModels`, when it implements it). A child that exits
@@ -300,21 +301,49 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections and to bind(port 0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
-def _ports_above(host: str, start: int, n: int, taken: set[int]) -> list[int]:
-    out, port = [], start
-    while len(out) < n:
-        if port > 65535:
-            raise ClusterError(f"no {n} free ports above {start}")
+# Ports handed to children are picked here and bound by the child seconds later. A port
+# from the ephemeral range can be taken in between by any process's outgoing connection
+# (a clean-clone CI run lost a gateway's HTTP port that way), so picks stay below it,
+# from a random start so two clusters starting at once rarely probe the same ports.
+_PICK_FLOOR = 10000
+
+
+def free_ports(host: str = "127.0.0.1", n: int = 1, taken: frozenset[int] = frozenset(),
+               start: int | None = None) -> list[int]:
+    """`n` ports a server could listen on now, none in `taken`. Without `start`, or with
+    one below the kernel's ephemeral range, they come from below that range, ascending
+    from `start` or a random point and wrapping; a `start` the user put elsewhere (next
+    to gateway ports they chose) is scanned upwards from there."""
+    if n <= 0:
+        return []
+    hi = _ephemeral_floor()
+    lo = _PICK_FLOOR if hi - _PICK_FLOOR >= 1000 else 1024
+    if hi - lo < 1000:
+        lo, hi = 1024, 65536
+    if start is not None and not lo <= start < hi:
+        candidates = range(start, 65536)
+    else:
+        first = start if start is not None else lo + secrets.randbelow(hi - lo)
+        candidates = (lo + (first - lo + i) % (hi - lo) for i in range(hi - lo))
+    out: list[int] = []
+    for port in candidates:
         if port not in taken and port_is_free(host, port):
             out.append(port)
-        port += 1
-    return out
+            if len(out) == n:
+                return out
+    raise ClusterError(f"no {n} free ports on {host} from {start or lo}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(host)[0]
 
 
 # ---------------------------------------------------------------------------- the cluster
@@ -369,18 +398,20 @@ class LocalCluster:
         c = self.config
         host = c.host
         http_port = c.http_port or free_port(host)
-        grpc_port = c.grpc_port or free_port(host)
+        grpc_port = c.grpc_port or free_ports(host, taken=frozenset({http_port}),
+                                              start=http_port + 1)[0]
         registry_port = c.registry_port or (c.grpc_port + 1 if c.grpc_port and c.registry_port
                                             is None else 0)
-        registry_port = registry_port or _ports_above(
-            host, max(http_port, grpc_port) + 1, 1, {http_port, grpc_port})[0]
+        registry_port = registry_port or free_ports(
+            host, taken=frozenset({http_port, grpc_port}),
+            start=max(http_port, grpc_port) + 1)[0]
         for what, port in (("HTTP", http_port), ("gRPC", grpc_port),
                            ("registry", registry_port)):
             if not port_is_free(host, port):
                 raise ClusterError(f"gateway {what} port {host}:{port} is in use")
         n_workers = c.num_prefill + c.num_decode
         gateway_ports = {http_port, grpc_port, registry_port}
-        ports = _ports_above(host, max(gateway_ports) + 1, 2 * n_workers, gateway_ports)
+        ports = free_ports(host, 2 * n_workers, frozenset(gateway_ports), max(gateway_ports) + 1)
         cpus = assign_cpus(c.cpus, c.num_prefill, c.num_decode)
         modules = dict(c.modules)
         py = [c.python, "-m"]

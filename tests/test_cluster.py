@@ -27,6 +27,7 @@ from pdserve.cluster import (
     LocalCluster,
     assign_cpus,
     choose_layout,
+    free_ports,
     parse_cpu_spec,
 )
 from pdserve.engine_args import engine_argv, engine_config_from_args
@@ -375,3 +376,40 @@ def test_workers_on_shared_cores_wait_passively(monkeypatch, tmp_path):
         assert all(ch.env == () for ch in own._plan())
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
     assert all(ch.env == () for ch in shared._plan())
+
+
+def _ephemeral_floor() -> int:
+    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+
+
+@pytest.mark.skipif(not Path("/proc/sys/net/ipv4/ip_local_port_range").exists(),
+                    reason="reads Linux's ephemeral port range")
+def test_picked_ports_stay_below_the_ephemeral_range(tmp_path):
+    """An outgoing connection can take an ephemeral port between the pick and the child's
+    bind (a CI run's gateway died with EADDRINUSE on its HTTP port that way)."""
+    floor = _ephemeral_floor()
+    c = LocalCluster(model="m", num_prefill=2, num_decode=2, http_port=0, grpc_port=0,
+                     cpus="none", log_dir=str(tmp_path))
+    children = c._plan()
+    ep = c.endpoints
+    ports = [int(ep.http_url.rsplit(":", 1)[1]), int(ep.grpc_address.rsplit(":", 1)[1]),
+             int(ep.registry_address.rsplit(":", 1)[1])]
+    for ch in children[1:]:
+        argv = ch.argv
+        ports += [int(argv[argv.index("--port") + 1]), int(argv[argv.index("--metrics-port") + 1])]
+    assert len(ports) == 3 + 8 and len(set(ports)) == len(ports)
+    assert all(p < floor for p in ports), (ports, floor)
+
+
+def test_free_ports_skip_a_listening_port_and_honour_a_users_neighbourhood():
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", free_ports()[0]))
+        held.listen()
+        busy = held.getsockname()[1]
+        got = free_ports("127.0.0.1", 2, start=busy)
+        assert busy not in got and len(set(got)) == 2
+        assert free_ports("127.0.0.1", 1, taken=frozenset({busy + 1}), start=busy)[0] != busy + 1
+    # gateway ports the user put above the range: workers follow them upwards
+    above = free_ports("127.0.0.1", 1, start=61000)[0]
+    assert above >= 61000
