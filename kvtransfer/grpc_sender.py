@@ -92,14 +92,22 @@ class GrpcKVPushStream(KVPushStream):
     # -- runs on gRPC's request-consumer thread ------------------------------------------
 
     def _requests(self) -> Iterator[bytes]:
+        held: object = None  # taken from the queue by `_gather`, not yet handled
         try:
-            while (item := self._queue.get()) is not _END:
+            while (item := self._queue.get() if held is None else held) is not _END:
+                held = None
                 if isinstance(item, _Layer):
                     if self._aborting:
                         continue
+                    # the tensors' copies have landed; the first before gathering, so
+                    # layers queued while it landed can join it
                     if item.wait is not None:
-                        item.wait()  # the tensors' copy has landed
-                    for chunk in self._encode(item):
+                        item.wait()
+                    layers, held = self._gather(item)
+                    for layer in layers[1:]:
+                        if layer.wait is not None:
+                            layer.wait()
+                    for chunk in self._encode(layers):
                         self._num_chunks += 1
                         self._bytes_sent += chunk.payload_bytes
                         yield chunk.data
@@ -116,8 +124,15 @@ class GrpcKVPushStream(KVPushStream):
         finally:
             self._requests_done()
 
-    def _encode(self, item: _Layer) -> Iterator[EncodedChunk]:
-        """One layer as ready-to-send messages (payloads in the messages)."""
+    def _gather(self, first: _Layer) -> tuple[list[_Layer], object]:
+        """The layers to encode together, starting with `first`, and the queue item taken
+        meanwhile that did not join them (None if none). Here: `first` alone, since a
+        payload-carrying message is bounded by the receiver's message size anyway."""
+        return [first], None
+
+    def _encode(self, layers: list[_Layer]) -> Iterator[EncodedChunk]:
+        """The layers `_gather` chose as ready-to-send messages (payloads in the messages)."""
+        (item,) = layers
         return encode_layer_messages(
             self.reservation_id, item.layer, item.block_indices, item.k, item.v,
             first_seq=self._num_chunks, max_chunk_bytes=self._max_chunk_bytes)

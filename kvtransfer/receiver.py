@@ -7,7 +7,7 @@ Life cycle of one transfer (one Push stream, one reservation):
                                 the reservation's secret: a stranger gets PERMISSION_DENIED
                                 and the reservation stays as it was
     KVChunk*                 -> each chunk's header validated in full (reservation, seq,
-                                layer, dtype, shape, block indices, size), then written
+                                layers, dtype, shape, block indices, size), then written
                                 through `KVSink.write_kv`, which checks the payload's
                                 crc32c as it copies; a mismatch refuses the stream at
                                 the next message, at the commit, or at the stream's end
@@ -256,13 +256,15 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
             raise KVChunkError("seq", f"{chunk.seq}, expected {transfer.num_chunks}")
         decoded = decode_chunk(chunk, self._spec, transfer.num_blocks, payload,
                                check_crc32c=False)  # the sink's copy checks it
-        row = transfer.received[decoded.layer]
+        rows = transfer.received[decoded.layer:decoded.layer + decoded.num_layers]
         idx = np.asarray(decoded.block_indices, dtype=np.intp)  # one conversion, used twice
-        if row[idx].any():
-            already = idx[row[idx]].tolist()
+        seen = rows[:, idx]
+        if seen.any():
+            layer = int(np.argwhere(seen)[0][0])
+            already = idx[seen[layer]].tolist()
             raise KVChunkError(
-                "block_indices", f"layer {decoded.layer} blocks {already[:8]} sent twice"
-            )
+                "block_indices",
+                f"layer {decoded.layer + layer} blocks {already[:8]} sent twice")
         try:
             verdict = self._sink.write_kv(transfer.reservation_id, decoded.layer,
                                           decoded.block_indices, decoded.k, decoded.v,
@@ -276,7 +278,7 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
                           abort_reservation=True) from None
         if verdict is not None:
             transfer.pending.append((chunk.seq, verdict))
-        row[idx] = True
+        rows[:, idx] = True
         transfer.num_chunks += 1
         transfer.num_bytes += decoded.num_bytes
         self.bytes_received += decoded.num_bytes

@@ -26,6 +26,7 @@ whose files the decode worker has dropped are closed, and those beyond
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -37,7 +38,11 @@ from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.kvtransfer.grpc_sender import GrpcKVPushStream, GrpcKVTransport, _Layer
 from pdserve.kvtransfer.shm import SHM_DIR, ShmOffer, ShmSegment, host_id
 from pdserve.kvtransfer.transport import KVPushStream, KVTransferError
-from pdserve.kvtransfer.wire import EncodedChunk, encode_layer_descriptors
+from pdserve.kvtransfer.wire import (
+    EncodedChunk,
+    encode_layer_descriptors,
+    encode_layers_descriptor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +66,46 @@ class ShmKVPushStream(GrpcKVPushStream):
         self._offset = 0  # written only by the consumer thread
         super().__init__(*args, **kwargs)
 
-    def _encode(self, item: _Layer) -> Iterator[EncodedChunk]:
-        for chunk in encode_layer_descriptors(
-            self.reservation_id, item.layer, item.block_indices, item.k, item.v,
-            self._view, offset=self._offset, first_seq=self._num_chunks,
-            max_chunk_bytes=self._max_chunk_bytes,
-        ):
+    def _gather(self, first: _Layer) -> tuple[list[_Layer], object]:
+        """`first` and the layers queued right behind it that can share its chunk: the next
+        layer up, the same blocks, the payload within `max_chunk_bytes`. A push that lags
+        the prefill (a long prompt's layers come faster than one core copies them) thus
+        sends fewer, larger chunks; one that keeps up sends a chunk per layer as before."""
+        layers, size = [first], _payload_bytes(first)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return layers, None
+            if not (isinstance(item, _Layer) and item.layer == layers[-1].layer + 1
+                    and item.block_indices == first.block_indices
+                    and size + _payload_bytes(item) <= self._max_chunk_bytes):
+                return layers, item
+            layers.append(item)
+            size += _payload_bytes(item)
+
+    def _encode(self, layers: list[_Layer]) -> Iterator[EncodedChunk]:
+        if len(layers) > 1:
+            chunks: Iterator[EncodedChunk] = iter((encode_layers_descriptor(
+                self.reservation_id, layers[0].layer, layers[0].block_indices,
+                [(item.k, item.v) for item in layers], self._view, offset=self._offset,
+                seq=self._num_chunks),))
+        else:
+            (item,) = layers
+            chunks = encode_layer_descriptors(
+                self.reservation_id, item.layer, item.block_indices, item.k, item.v,
+                self._view, offset=self._offset, first_seq=self._num_chunks,
+                max_chunk_bytes=self._max_chunk_bytes)
+        for chunk in chunks:
             self._offset += chunk.payload_bytes
             yield chunk
 
     def _requests_done(self) -> None:
         self._view.release()
 
+
+def _payload_bytes(item: _Layer) -> int:
+    return 2 * item.k.numel() * item.k.element_size()
 
 
 class ShmKVTransport(GrpcKVTransport):

@@ -56,11 +56,13 @@ class KVSink(Protocol):
     - `reservation_num_blocks` is the number of blocks the transfer must fill,
       `ceil(num_prompt_tokens / block_size)`. It returns None for an unknown reservation
       and for one that no longer accepts KV (committed, aborted or expired).
-    - `write_kv` receives tensors `[n, block_size, kv_heads, head_dim]` of the spec's dtype
-      on the CPU, every header field validated: read-only views of the received message or
-      segment (no copy was made), which the sink copies into its cache (at once, or later
-      but before the commit: the views keep the message alive) and must not write to; and
-      `crc32c`, the chunk's stated CRC-32C of k's bytes then v's, which the sink checks.
+    - `write_kv` receives tensors `[L, n, block_size, kv_heads, head_dim]` of the spec's
+      dtype on the CPU, the same n blocks of layers `layer` .. `layer + L - 1` (a chunk
+      covers one layer or several), every header field validated: read-only views of the
+      received message or segment (no copy was made), which the sink copies into its cache
+      (at once, or later but before the commit: the views keep the message alive) and must
+      not write to; and `crc32c`, the chunk's stated CRC-32C of the payload (each layer's
+      K bytes then its V bytes, layer after layer), which the sink checks.
       The bytes may reach the reservation's own blocks before that check, never a block
       anything else can read; a mismatch fails the reservation: its commit raises
       ValueError("crc32c: ..."). It returns None when the write is done and checked (a

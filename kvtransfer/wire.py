@@ -1,14 +1,20 @@
-"""The KV wire format: one `KVChunk` carries some blocks of one layer.
+"""The KV wire format: one `KVChunk` carries some blocks of one layer, or the same blocks of
+several consecutive layers.
 
-    header : reservation_id, layer, block_indices (logical, within the reservation),
-             dtype name, shape of the K part [n, block_size, kv_heads, head_dim], seq, crc32c
-    payload: K bytes of those n blocks, then V bytes of the same n blocks
-             (C-contiguous, native little-endian), crc32c = CRC-32C of the payload
+    header : reservation_id, layer, num_layers (0 reads as 1), block_indices (logical,
+             within the reservation), dtype name, shape of one layer's K part
+             [n, block_size, kv_heads, head_dim], seq, crc32c
+    payload: for each layer from `layer` on: K bytes of those n blocks, then V bytes of the
+             same n blocks (C-contiguous, native little-endian); crc32c = CRC-32C of the
+             whole payload
 
 A layer's blocks are split into chunks of at most `max_chunk_bytes` of payload (at least
-one block per chunk). Decoding never unpickles anything: the payload is reinterpreted as
-the spec's dtype with `torch.frombuffer` after every header field has been checked against
-the receiver's `KVCacheSpec` and the reservation's size.
+one block per chunk). Whole layers that are ready together and fit in `max_chunk_bytes`
+may share one chunk (`encode_layers_descriptor`: the shared-memory sender, whose chunks
+cost the receiver a message and a round of checks each, whatever their size). Decoding
+never unpickles anything: the payload is reinterpreted as the spec's dtype with
+`torch.frombuffer` after every header field has been checked against the receiver's
+`KVCacheSpec` and the reservation's size.
 
 The bytes on the wire are plain protobuf (`KVMessage` of kvtransfer.proto), but the hot
 path does not build or parse the payload through protobuf objects, because every trip
@@ -72,9 +78,10 @@ class KVChunkError(ValueError):
 
 @dataclass(frozen=True)
 class DecodedChunk:
-    layer: int
+    layer: int  # the first layer it covers
+    num_layers: int
     block_indices: list[int]
-    k: torch.Tensor  # [n, block_size, kv_heads, head_dim], a read-only view, CPU
+    k: torch.Tensor  # [num_layers, n, block_size, kv_heads, head_dim], a read-only view, CPU
     v: torch.Tensor  # same
     num_bytes: int  # payload bytes
     crc32c: int  # the CRC-32C the header states for the payload (checked unless asked not)
@@ -115,12 +122,9 @@ def blocks_per_chunk(block_bytes: int, max_chunk_bytes: int) -> int:
     return max(1, max_chunk_bytes // (2 * block_bytes))
 
 
-def _layer_parts(
-    reservation_id: str, layer: int, block_indices: Sequence[int], k: torch.Tensor,
-    v: torch.Tensor, first_seq: int, max_chunk_bytes: int, checksum: bool = True,
-) -> Iterator[tuple[kvtransfer_pb2.KVChunk, torch.Tensor, torch.Tensor]]:
-    """(header with crc32c but no payload, K blocks, V blocks: contiguous CPU tensors) of
-    each chunk of one layer; crc32c left 0 when not `checksum` (the caller computes it)."""
+def _layer_tensors(block_indices: Sequence[int], k: torch.Tensor, v: torch.Tensor
+                   ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """(indices as ints, k and v contiguous on the CPU) of one layer's blocks, checked."""
     if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(
             f"k and v must be 4-D of equal shape and dtype, got {tuple(k.shape)} {k.dtype} "
@@ -130,9 +134,18 @@ def _layer_parts(
     indices = [int(i) for i in block_indices]
     if len(indices) != n or n == 0 or min(indices) < 0:
         raise ValueError(f"block indices {indices[:16]} do not address the {n} blocks given")
+    return indices, k.detach().to("cpu").contiguous(), v.detach().to("cpu").contiguous()
+
+
+def _layer_parts(
+    reservation_id: str, layer: int, block_indices: Sequence[int], k: torch.Tensor,
+    v: torch.Tensor, first_seq: int, max_chunk_bytes: int, checksum: bool = True,
+) -> Iterator[tuple[kvtransfer_pb2.KVChunk, torch.Tensor, torch.Tensor]]:
+    """(header with crc32c but no payload, K blocks, V blocks: contiguous CPU tensors) of
+    each chunk of one layer; crc32c left 0 when not `checksum` (the caller computes it)."""
+    indices, k, v = _layer_tensors(block_indices, k, v)
+    n = len(indices)
     dtype = dtype_name(k.dtype)
-    k = k.detach().to("cpu").contiguous()
-    v = v.detach().to("cpu").contiguous()
     block_bytes = k[0].numel() * k.element_size()
     step = blocks_per_chunk(block_bytes, max_chunk_bytes)
     for i, start in enumerate(range(0, n, step)):
@@ -232,19 +245,61 @@ def encode_layer_descriptors(
         reservation_id, layer, block_indices, k, v, first_seq, max_chunk_bytes,
         checksum=False,
     ):
-        end = offset + _nbytes(k_part) + _nbytes(v_part)
-        if end > segment.nbytes:
-            raise ValueError(f"shm segment of {segment.nbytes} bytes is full at {offset}")
-        crc, at = 0, offset
-        for part in (k_part, v_part):
-            crc = _copy_with_crc32c(segment, at, part, crc, _copy_crc32c_op())
-            at += _nbytes(part)
-        header.crc32c = crc
-        header.shm.offset = offset
-        header.shm.length = end - offset
-        yield EncodedChunk(kvtransfer_pb2.KVMessage(chunk=header).SerializeToString(),
-                           end - offset)
-        offset = end
+        chunk = _descriptor_chunk(header, (k_part, v_part), segment, offset)
+        yield chunk
+        offset += chunk.payload_bytes
+
+
+def encode_layers_descriptor(
+    reservation_id: str,
+    first_layer: int,
+    block_indices: Sequence[int],
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    segment: memoryview,
+    *,
+    offset: int,
+    seq: int,
+) -> EncodedChunk:
+    """Whole layers `first_layer`, `first_layer + 1`, ... as one shared-memory chunk: each
+    layer's (k, v), `[n, ...]` of the same blocks, copied into `segment` from `offset`,
+    K then V, layer after layer, with one CRC-32C over all of it. For the sender that finds
+    several layers ready at once; the caller keeps the payload within its chunk size."""
+    if not layers:
+        raise ValueError("no layers to encode")
+    parts: list[torch.Tensor] = []
+    indices: list[int] = []
+    for k, v in layers:
+        indices, k, v = _layer_tensors(block_indices, k, v)
+        if parts and (k.shape != parts[0].shape or k.dtype != parts[0].dtype):
+            raise ValueError(f"layers differ: {tuple(k.shape)} {k.dtype} after "
+                             f"{tuple(parts[0].shape)} {parts[0].dtype}")
+        parts += (k, v)
+    header = kvtransfer_pb2.KVChunk(
+        reservation_id=reservation_id, layer=first_layer, block_indices=indices,
+        dtype=dtype_name(parts[0].dtype), shape=list(parts[0].shape), seq=seq)
+    if len(layers) > 1:  # one layer's header stays byte-identical to encode_layer's
+        header.num_layers = len(layers)
+    return _descriptor_chunk(header, parts, segment, offset)
+
+
+def _descriptor_chunk(header: kvtransfer_pb2.KVChunk, parts: Sequence[torch.Tensor],
+                      segment: memoryview, offset: int) -> EncodedChunk:
+    """`parts` copied into `segment` back to back from `offset` with their CRC-32C, and the
+    message carrying `header` with that CRC and the descriptor. Raises ValueError when the
+    segment is too small."""
+    end = offset + sum(_nbytes(p) for p in parts)
+    if end > segment.nbytes:
+        raise ValueError(f"shm segment of {segment.nbytes} bytes is full at {offset}")
+    crc, at = 0, offset
+    op = _copy_crc32c_op()
+    for part in parts:
+        crc = _copy_with_crc32c(segment, at, part, crc, op)
+        at += _nbytes(part)
+    header.crc32c = crc
+    header.shm.offset = offset
+    header.shm.length = end - offset
+    return EncodedChunk(kvtransfer_pb2.KVMessage(chunk=header).SerializeToString(),
+                        end - offset)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -376,6 +431,10 @@ def decode_chunk(
     """
     if not 0 <= chunk.layer < spec.num_layers:
         raise KVChunkError("layer", f"{chunk.layer} not in [0, {spec.num_layers})")
+    num_layers = chunk.num_layers or 1
+    if chunk.layer + num_layers > spec.num_layers:
+        raise KVChunkError("num_layers", f"layers {chunk.layer}..{chunk.layer + num_layers - 1}"
+                                         f" not all in [0, {spec.num_layers})")
     if chunk.dtype != spec.dtype:
         raise KVChunkError("dtype", f"{chunk.dtype!r} != receiver dtype {spec.dtype!r}")
     shape = tuple(chunk.shape)
@@ -397,7 +456,7 @@ def decode_chunk(
     if payload is None:
         payload = chunk.payload  # read once: each read of a bytes field copies it
     size = len(payload) if isinstance(payload, bytes) else payload.nbytes
-    expected = 2 * n * spec.block_bytes
+    expected = 2 * n * spec.block_bytes * num_layers
     if size != expected:
         raise KVChunkError("payload", f"{size} bytes, expected {expected}")
     if check_crc32c and crc32c(payload) != chunk.crc32c:
@@ -406,8 +465,11 @@ def decode_chunk(
     # only use), so torch's warning about a non-writable buffer does not apply (silenced
     # for this module at import: a catch_warnings block per chunk costs more than the rest
     # of this function)
-    kv = torch.frombuffer(payload, dtype=spec.torch_dtype).view(2, *shape)
-    return DecodedChunk(chunk.layer, indices, kv[0], kv[1], size, chunk.crc32c)
+    kv = torch.frombuffer(payload, dtype=spec.torch_dtype).view(num_layers, 2, *shape)
+    return DecodedChunk(chunk.layer, num_layers, indices, kv[:, 0], kv[:, 1], size,
+                        chunk.crc32c)
+
+
 def commit_to_proto(
     reservation_id: str, num_chunks: int, info: KVCommitInfo
 ) -> kvtransfer_pb2.KVCommit:

@@ -92,7 +92,7 @@ def test_saved_kv_loaded_elsewhere_equals_colocated(tiny_model_dir):
     conn = dec.kv_connector
     conn.reserve("d", PROMPT, GREEDY)
     for c in saver.copies:
-        conn.write("d", c.layer, c.block_indices, c.k, c.v)
+        conn.write("d", c.layer, c.block_indices, c.k[None], c.v[None])
     conn.commit("d", first)
     tokens = [first]
     while dec.has_unfinished():
@@ -139,7 +139,7 @@ def test_commit_outside_vocab_refused_engine_untouched(tiny_model_dir):
     # a write outside the reservation is refused, and so is the commit after it
     k = eng.kv_cache.key(0)[:1].clone()
     with pytest.raises(IndexError):
-        conn.write("r", 0, [3], k, k)
+        conn.write("r", 0, [3], k[None], k[None])
     with pytest.raises(RuntimeError, match="write"):
         conn.commit("r", 5)
     assert conn.abort("r").finish_reason == "abort"
@@ -290,10 +290,10 @@ def test_prefix_hashes_bounded_newest_last(tiny_model_dir):
     asyncio.run(main())
 
 
-def _crc(k: torch.Tensor, v: torch.Tensor) -> int:
+def _crc(k: torch.Tensor, v: torch.Tensor, crc: int = 0) -> int:
     from crc32c import crc32c
 
-    return crc32c(v.numpy().tobytes(), crc32c(k.numpy().tobytes()))
+    return crc32c(v.numpy().tobytes(), crc32c(k.numpy().tobytes(), crc))
 
 
 def test_checksum_checked_as_copied_only_own_blocks_touched(tiny_model_dir):
@@ -311,15 +311,38 @@ def test_checksum_checked_as_copied_only_own_blocks_touched(tiny_model_dir):
     before = eng.kv_cache.data.clone()
     shape = (len(phys), *eng.kv_spec.block_shape)
     k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    conn.write("r", 0, range(len(phys)), k, v, _crc(k, v))
+    conn.write("r", 0, range(len(phys)), k[None], v[None], _crc(k, v))
     assert torch.equal(eng.kv_cache.key(0)[phys], k)
     assert torch.equal(eng.kv_cache.value(0)[phys], v)
     with pytest.raises(ChecksumMismatch, match="^crc32c"):
-        conn.write("r", 1, [2, 0], k[:2], v[:2], _crc(k[:2], v[:2]) ^ 1)
+        conn.write("r", 1, [2, 0], k[None, :2], v[None, :2], _crc(k[:2], v[:2]) ^ 1)
     with pytest.raises(ValueError, match="^crc32c"):
         conn.commit("r", 5)
     # data: [layers, K/V, blocks, ...]
     assert torch.equal(eng.kv_cache.data[:, :, others], before[:, :, others])
+    assert conn.abort("r").finish_reason == "abort"
+    assert_pool_clean(eng)
+
+
+def test_a_write_of_several_layers(tiny_model_dir):
+    """One write covering layers 1..L-1 (a multi-layer chunk): each layer lands in its own
+    cache, under one CRC over K1 V1 K2 V2 ...; a range past the last layer is refused."""
+    eng = tiny_engine(tiny_model_dir, block_size=16)
+    conn = eng.kv_connector
+    phys = list(conn.reserve("r", PROMPT, GREEDY).block_ids)
+    n_layers = eng.kv_spec.num_layers
+    gen = torch.Generator().manual_seed(2)
+    shape = (n_layers - 1, len(phys), *eng.kv_spec.block_shape)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    crc = 0
+    for i in range(n_layers - 1):
+        crc = _crc(k[i], v[i], crc)
+    conn.write("r", 1, range(len(phys)), k, v, crc)
+    for i in range(n_layers - 1):
+        assert torch.equal(eng.kv_cache.key(1 + i)[phys], k[i])
+        assert torch.equal(eng.kv_cache.value(1 + i)[phys], v[i])
+    with pytest.raises(IndexError, match="^layers 2.."):
+        conn.write("r", 2, range(len(phys)), k, v, crc)
     assert conn.abort("r").finish_reason == "abort"
     assert_pool_clean(eng)
 
@@ -343,7 +366,7 @@ def test_checksum_checked_before_copy_into_a_shared_block(tiny_model_dir, shared
     shape = (len(phys), *eng.kv_spec.block_shape)
     k, v = torch.ones(shape), torch.full(shape, 2.0)
     with pytest.raises(ChecksumMismatch):
-        conn.write("r", 0, range(len(phys)), k, v, _crc(k, v) ^ 1)
+        conn.write("r", 0, range(len(phys)), k[None], v[None], _crc(k, v) ^ 1)
     assert torch.equal(eng.kv_cache.data, before)
     if shared_by == "ref_count":
         block.ref_count -= 1
@@ -439,9 +462,11 @@ def test_queued_kv_writes_applied_in_one_drain_in_order(tiny_model_dir):
             for layer in range(eng.dims.num_layers):
                 k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
                 sent.append((k, v))
-                futs.append(aeng.write_kv("r", layer, range(len(phys)), k, v, _crc(k, v)))
-            futs.append(aeng.write_kv("r", 0, [1], k[:1], v[:1], _crc(k[:1], v[:1]) ^ 1))
-            futs.append(aeng.write_kv("gone", 0, [0], k[:1], v[:1], 0))
+                futs.append(aeng.write_kv("r", layer, range(len(phys)), k[None], v[None],
+                                          _crc(k, v)))
+            futs.append(aeng.write_kv("r", 0, [1], k[None, :1], v[None, :1],
+                                      _crc(k[:1], v[:1]) ^ 1))
+            futs.append(aeng.write_kv("gone", 0, [0], k[None, :1], v[None, :1], 0))
             assert aeng._cmds.qsize() == 1  # one drain command for every write
             commit = asyncio.ensure_future(aeng.commit("r", 5))
             gate.set()

@@ -97,14 +97,15 @@ def test_ingest_blocks_good_and_bad_bytes(exclusive):
     ids = ids.tolist()
     others = [b for b in range(30) if b not in ids]
     before_k, before_v = kc.clone(), vc.clone()
-    ingest_blocks(kc, vc, ids, k, v, _crc(k, v), exclusive=exclusive)
+    ingest_blocks([(kc, vc)], ids, k[None], v[None], _crc(k, v), exclusive=exclusive)
     assert torch.equal(kc[ids], k) and torch.equal(vc[ids], v)
     assert torch.equal(kc[others], before_k[others])
     bad_v = v.clone()
     bad_v.view(-1)[-1] += 1.0  # the payload's last element
     written_k, written_v = kc.clone(), vc.clone()
     with pytest.raises(ChecksumMismatch, match="^crc32c"):
-        ingest_blocks(kc, vc, ids, k * 2, bad_v, _crc(k * 2, v), exclusive=exclusive)
+        ingest_blocks([(kc, vc)], ids, (k * 2)[None], bad_v[None], _crc(k * 2, v),
+                      exclusive=exclusive)
     # never outside the blocks named; inside them only when they are the writer's alone
     assert torch.equal(kc[others], before_k[others]) and torch.equal(vc[others],
                                                                      before_v[others])
@@ -112,6 +113,43 @@ def test_ingest_blocks_good_and_bad_bytes(exclusive):
         assert torch.equal(kc[ids], k * 2) and torch.equal(vc[ids], bad_v)
     else:
         assert torch.equal(kc, written_k) and torch.equal(vc, written_v)
+
+
+def test_ingest_continues_a_crc():
+    (kc, vc), k, v, ids = _case((4, 3, 16), torch.float32, 6, 20, seed=5)
+    head = crc32c(b"the layers before")
+    as_bytes = lambda t: t.reshape(-1).view(torch.uint8).numpy().tobytes()  # noqa: E731
+    assert ingest_kv_blocks(kc, vc, ids, k, v, crc=head) == crc32c(
+        as_bytes(v), crc32c(as_bytes(k), head))
+    with pytest.raises(ValueError, match="^crc must be a uint32"):
+        ingest_kv_blocks(kc, vc, ids, k, v, crc=1 << 32)
+
+
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_ingest_blocks_of_several_layers(exclusive):
+    """One chunk of three layers: one CRC over K0 V0 K1 V1 K2 V2, each layer into its own
+    caches; a bad byte in the last layer fails the whole chunk."""
+    cases = [_case((4, 3, 16), torch.float32, 4, 12, seed=10 + i) for i in range(3)]
+    ids = cases[0][3].tolist()
+    caches = [c[0] for c in cases]
+    k = torch.stack([c[1] for c in cases])
+    v = torch.stack([c[2] for c in cases])
+    crc = 0
+    for i in range(3):
+        crc = crc32c(v[i].numpy().tobytes(), crc32c(k[i].numpy().tobytes(), crc))
+    before = [(kc.clone(), vc.clone()) for kc, vc in caches]
+    bad_v = v.clone()
+    bad_v[2].view(-1)[-1] += 1.0
+    with pytest.raises(ChecksumMismatch):
+        ingest_blocks([tuple(c) for c in caches], ids, k, bad_v, crc, exclusive=exclusive)
+    if not exclusive:  # checked before anything is written
+        assert all(torch.equal(kc, bk) and torch.equal(vc, bv)
+                   for (kc, vc), (bk, bv) in zip(caches, before))
+    ingest_blocks([tuple(c) for c in caches], ids, k, v, crc, exclusive=exclusive)
+    for i, (kc, vc) in enumerate(caches):
+        assert torch.equal(kc[ids], k[i]) and torch.equal(vc[ids], v[i])
+    with pytest.raises(ValueError, match="2 layers of caches"):
+        ingest_blocks([tuple(c) for c in caches[:2]], ids, k, v, crc, exclusive=exclusive)
 
 
 PORTABLE_CHECK = r"""

@@ -133,7 +133,7 @@ def test_ingest_through_each_path(path, block_shape):
     ids = torch.randperm(40, generator=gen)[:9]
     want_k, want_v = kc.clone(), vc.clone()
     want_k[ids], want_v[ids] = k, v
-    crc = ingest_kv_blocks(kc, vc, ids, k, v, path)
+    crc = ingest_kv_blocks(kc, vc, ids, k, v, path=path)
     assert crc == crc32c(v.numpy().tobytes(), crc32c(k.numpy().tobytes()))
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
@@ -218,7 +218,7 @@ def test_schemas_and_fakes():
         "pdserve::copy_crc32c(Tensor(a0!) dst, Tensor src, SymInt crc=0, str path=\"auto\") "
         "-> SymInt")
     assert str(ops.ingest_kv_blocks.default._schema).endswith(
-        "Tensor k, Tensor v, str path=\"auto\") -> SymInt")
+        "Tensor k, Tensor v, SymInt crc=0, str path=\"auto\") -> SymInt")
     with pytest.raises(RuntimeError):
         copy_crc32c(torch.zeros(4, dtype=torch.uint8), torch.ones(1), "0")
     from torch._subclasses.fake_tensor import FakeTensorMode

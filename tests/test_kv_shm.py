@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +44,12 @@ from pdserve.kvtransfer.shm import (
     sweep_stale,
 )
 from pdserve.kvtransfer.shm_sender import ShmKVTransport
-from pdserve.kvtransfer.wire import encode_layer_descriptors, encode_layer_messages
+from pdserve.kvtransfer.wire import (
+    decode_chunk,
+    encode_layer_descriptors,
+    encode_layer_messages,
+    encode_layers_descriptor,
+)
 from pdserve.prefill_worker.server import PrefillWorker
 from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import (
@@ -159,6 +165,79 @@ def _push_layers(stream, n: int, seed: int) -> None:
     for layer in range(SPEC.num_layers):
         k, v = _blocks(n, seed=seed + layer)
         stream.push_layer(layer, range(n), k, v)
+
+
+@pytest.mark.parametrize("layers_per_chunk", [3, 2])
+def test_layers_queued_together_share_a_chunk(receiver: Receiver, pool: ShmSegmentPool,
+                                              layers_per_chunk: int) -> None:
+    """Layers queued behind one the sender waits on go out as one chunk each time they fit
+    in its size (3 layers: one chunk; at most 2: chunks of 2 and 1), and land
+    byte-exact, each in its own layer."""
+    sink = receiver.sink
+    t = ShmKVTransport("shm", host=HOST, timeout_s=30,
+                       shm_max_chunk_bytes=layers_per_chunk * 2 * 3 * BLOCK_BYTES)
+    try:
+        rid, offer = _reserve(receiver, pool, 3)
+        phys = sink.block_table(rid)
+        before = _fill_other_blocks(sink)
+        stream = t.open(receiver.address, rid, SPEC, shm=offer)
+        landed = threading.Event()  # layer 0's copy "lands" once every layer is queued
+        sent = {}
+        for layer in range(SPEC.num_layers):
+            sent[layer] = _blocks(3, seed=40 + layer)
+            stream.push_layer(layer, [2, 0, 1], *sent[layer],
+                              wait=(lambda: landed.wait(10)) if layer == 0 else None)
+        landed.set()
+        result = stream.commit(KVCommitInfo(num_prompt_tokens=10, first_token_id=5))
+        assert result.num_chunks == -(-SPEC.num_layers // layers_per_chunk)
+        assert result.bytes_sent == 3 * RESERVATION_BYTES
+        for layer, (k, v) in sent.items():
+            for i, logical in enumerate([2, 0, 1]):
+                assert torch.equal(sink.cache.key(layer)[phys[logical]], k[i])
+                assert torch.equal(sink.cache.value(layer)[phys[logical]], v[i])
+        assert _same_bytes_outside(sink, before, phys)
+        sink.release(rid)
+    finally:
+        t.close()
+    assert sink.num_free_blocks == SPEC.num_blocks
+
+
+def test_multi_layer_chunk_checks(receiver: Receiver, pool: ShmSegmentPool) -> None:
+    """A chunk of layers 0-1 decodes to both layers' K and V; one of layers 1-2 after it
+    repeats layer 1's blocks and is refused naming them; a corrupt byte in a multi-layer
+    chunk's second layer fails its CRC."""
+    seg_rid, offer = _reserve(receiver, pool, 2)
+    seg = ShmSegment.open(offer.segment, offer.size)
+    layers = [_blocks(2, seed=60 + i) for i in range(3)]
+    first = encode_layers_descriptor(seg_rid, 0, [0, 1], layers[:2], seg.view, offset=0,
+                                     seq=0)
+    msg = kvtransfer_pb2.KVMessage.FromString(first.data).chunk
+    assert (msg.layer, msg.num_layers, msg.shm.length) == (0, 2, 2 * 2 * 2 * BLOCK_BYTES)
+    decoded = decode_chunk(msg, SPEC, 2, seg.view[:first.payload_bytes])
+    assert decoded.num_layers == 2
+    for i in range(2):
+        assert torch.equal(decoded.k[i], layers[i][0]) and torch.equal(decoded.v[i],
+                                                                        layers[i][1])
+    again = encode_layers_descriptor(seg_rid, 1, [0, 1], layers[1:], seg.view,
+                                     offset=first.payload_bytes, seq=1)
+    phys = receiver.sink.block_table(seg_rid)
+    before = _fill_other_blocks(receiver.sink)
+    err = _push_bytes(receiver.address, [first.data, again.data])
+    _assert_rejected(receiver, seg_rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT,
+                     "block_indices")
+    assert err.details() == "block_indices: layer 1 blocks [0, 1] sent twice"
+    seg.close()
+
+    rid, offer = _reserve(receiver, pool, 2)
+    seg = ShmSegment.open(offer.segment, offer.size)
+    chunk = encode_layers_descriptor(rid, 0, [0, 1], layers, seg.view, offset=0, seq=0)
+    seg.view[2 * 2 * BLOCK_BYTES + 5] ^= 0x10  # layer 1's K
+    phys = receiver.sink.block_table(rid)
+    before = _fill_other_blocks(receiver.sink)
+    err = _push_bytes(receiver.address, [chunk.data, _commit_bytes(rid, 1, 8)])
+    _assert_rejected(receiver, rid, phys, before, err, grpc.StatusCode.INVALID_ARGUMENT,
+                     "crc32c")
+    seg.close()
 
 
 def test_sender_keeps_mappings_while_their_files_live(receiver: Receiver,

@@ -63,8 +63,9 @@ def test_wire_round_trip_multi_chunk(dtype: str) -> None:
     assert [c.seq for c in chunks] == [7, 8, 9]
     assert all(c.dtype == dtype and c.crc32c == crc32c(c.payload) for c in chunks)
     decoded = [decode_chunk(c, spec, num_reserved_blocks=5) for c in chunks]
-    assert torch.equal(torch.cat([d.k for d in decoded]), k)
-    assert torch.equal(torch.cat([d.v for d in decoded]), v)
+    assert all(d.num_layers == 1 for d in decoded)
+    assert torch.equal(torch.cat([d.k[0] for d in decoded]), k)
+    assert torch.equal(torch.cat([d.v[0] for d in decoded]), v)
     assert decoded[0].k.dtype == spec.torch_dtype
 
 
@@ -108,7 +109,7 @@ def test_parse_message_leaves_payload_in_place() -> None:
     assert (header.layer, list(header.block_indices), header.seq) == (2, [0, 1, 2], 4)
     assert header.payload == b""
     decoded = decode_chunk(header, SPEC, 3, parsed.payload)
-    assert torch.equal(decoded.k, k) and torch.equal(decoded.v, v)
+    assert torch.equal(decoded.k[0], k) and torch.equal(decoded.v[0], v)
     # K starts where the payload starts inside the received bytes: nothing was copied
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: only its address
@@ -229,6 +230,8 @@ def _chunk(**changes: object) -> kvtransfer_pb2.KVChunk:
         ({"block_indices": [1, 1]}, "block_indices"),
         ({"payload": b"\0" * 10}, "payload"),
         ({"crc32c": 12345}, "crc32c"),
+        ({"num_layers": 3}, "num_layers"),  # layers 1..3 of 3
+        ({"num_layers": 2}, "payload"),  # one layer's bytes for two
     ],
 )
 def test_wire_rejects(changes: dict[str, object], field: str) -> None:

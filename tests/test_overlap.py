@@ -205,7 +205,7 @@ def test_disaggregated_kv_arriving_mid_run(tiny_model_dir, overlap_prefill):
     def write(rid):
         def w(eng):
             for c in pushed[rid][1].copies:
-                eng.kv_connector.write(rid, c.layer, c.block_indices, c.k, c.v)
+                eng.kv_connector.write(rid, c.layer, c.block_indices, c.k[None], c.v[None])
         return w
 
     def commit(rid):

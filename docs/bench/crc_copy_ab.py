@@ -86,7 +86,7 @@ def ingest(path: str):
     def run() -> list[int]:
         return [ingest_kv_blocks(cache[i, 0], cache[i, 1], ids,
                                  parts[2 * i].view(blocks, -1), parts[2 * i + 1].view(blocks, -1),
-                                 path) for i in range(LAYERS)]
+                                 path=path) for i in range(LAYERS)]
     return run
 
 

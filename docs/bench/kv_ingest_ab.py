@@ -53,8 +53,8 @@ def a(ids):
 
 def b(ids):
     for layer, s, k, v, crc in chunks:
-        ingest_blocks(cache[layer, 0], cache[layer, 1], ids[s:s + len(k)], k, v, crc,
-                      exclusive=True)
+        ingest_blocks([(cache[layer, 0], cache[layer, 1])], ids[s:s + len(k)], k[None],
+                      v[None], crc, exclusive=True)
 
 
 for order, ids in (("ascending", list(range(50, 50 + n))),

@@ -211,8 +211,9 @@ class AsyncEngine:
     def write_kv(self, request_id: str, layer: int, block_indices: Seq[int],
                  k: torch.Tensor, v: torch.Tensor, crc32c: int | None = None
                  ) -> concurrent.futures.Future:
-        """Queue a write of KV into a reservation's blocks (logical indices), checked against
-        `crc32c` (the connector's `write`), and return at once: the engine thread applies
+        """Queue a write of KV into a reservation's blocks (logical indices; k and v
+        `[L, n, ...]` for layers `layer` ..), checked against `crc32c` (the connector's
+        `write`), and return at once: the engine thread applies
         it at the next step boundary, before any later command. k and v must stay
         unchanged until then. The future resolves when it was applied (None), or with its
         error (ChecksumMismatch, KeyError, ...); a failed write also makes the

@@ -109,31 +109,50 @@ def _fused_op() -> Callable[..., int] | None:
                       "received KV is checked, then copied")
 
 
-def ingest_blocks(k_dst: torch.Tensor, v_dst: torch.Tensor,
+def ingest_blocks(layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
                   block_ids: Sequence[int] | np.ndarray, k: torch.Tensor, v: torch.Tensor,
                   crc32c: int, *, exclusive: bool) -> None:
-    """k_dst[block_ids[i]] = k[i] and v_dst[block_ids[i]] = v[i] for every i, provided the
-    CRC-32C of k's bytes followed by v's is `crc32c`; raises ChecksumMismatch otherwise.
+    """For each layer l: layers[l][0][block_ids[i]] = k[l][i] and layers[l][1][block_ids[i]]
+    = v[l][i] for every i, provided the CRC-32C of the bytes k[0], v[0], k[1], v[1], ... in
+    that order (a chunk's payload) is `crc32c`; raises ChecksumMismatch otherwise.
 
+    layers: the (K, V) caches `[num_blocks, ...]` of each layer the chunk covers; k, v:
+    `[len(layers), n, ...]` on the CPU (views into one payload will do).
     exclusive: the blocks belong to the writer alone (no other sequence holds or can read
     them, none is in the prefix cache), so they may take the bytes before the verdict —
     one pass, copying and checksumming together in C, and on a mismatch the blocks hold
     bytes their owner must discard. Otherwise, and wherever the C op cannot run (another
     device, a layout it does not take, no compiler), the bytes are checked first and a
-    mismatch leaves every block untouched. k, v: `[n, ...]` on the CPU, as `copy_blocks`.
+    mismatch leaves every block untouched.
     """
-    fused = _fused_op() if exclusive and k_dst.device.type == "cpu" else None
-    if (fused is not None and k_dst.is_contiguous() and v_dst.is_contiguous()
-            and k.is_contiguous() and v.is_contiguous() and k.dtype == k_dst.dtype
-            and v.dtype == v_dst.dtype and k.device.type == v.device.type == "cpu"):
+    if len(layers) != k.shape[0] or k.shape != v.shape:
+        raise ValueError(f"{len(layers)} layers of caches for k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
+    fused = _fused_op() if exclusive else None
+    if fused is not None and all(_fusable(kd, vd, k[i], v[i])
+                                 for i, (kd, vd) in enumerate(layers)):
         # from numpy: a quarter of torch.tensor(list)'s cost for a 4k prompt's 256 ids,
         # and this runs once per received chunk on the engine thread
         ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
-        got = fused(k_dst, v_dst, ids, k, v)
+        got = 0
+        for i, (k_dst, v_dst) in enumerate(layers):
+            got = fused(k_dst, v_dst, ids, k[i], v[i], crc=got)
     else:
-        got = crc32c_of(_bytes_of(v.contiguous()), crc32c_of(_bytes_of(k.contiguous())))
+        got = 0
+        for i in range(len(layers)):
+            got = crc32c_of(_bytes_of(v[i].contiguous()),
+                            crc32c_of(_bytes_of(k[i].contiguous()), got))
         if got == crc32c:
-            copy_blocks(k_dst, block_ids, k)
-            copy_blocks(v_dst, block_ids, v)
+            for i, (k_dst, v_dst) in enumerate(layers):
+                copy_blocks(k_dst, block_ids, k[i])
+                copy_blocks(v_dst, block_ids, v[i])
     if got != crc32c:
         raise ChecksumMismatch(got, crc32c)
+
+
+def _fusable(k_dst: torch.Tensor, v_dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+             ) -> bool:
+    """The C op takes these: contiguous CPU tensors of the caches' dtype."""
+    return (k_dst.device.type == v_dst.device.type == k.device.type == v.device.type == "cpu"
+            and k_dst.is_contiguous() and v_dst.is_contiguous() and k.is_contiguous()
+            and v.is_contiguous() and k.dtype == k_dst.dtype and v.dtype == v_dst.dtype)

@@ -155,8 +155,10 @@ class KVConnector(ABC):
     @abstractmethod
     def write(self, request_id: str, layer: int, block_indices: Seq[int], k: torch.Tensor,
               v: torch.Tensor, crc32c: int | None = None) -> None:
-        """crc32c: the CRC-32C of k's bytes then v's as the sender stated it (None: the
-        caller checked them); ChecksumMismatch (a ValueError) when they differ."""
+        """k, v: `[L, n, ...]`, the same blocks of layers `layer` .. `layer + L - 1` (L = 1
+        for one layer). crc32c: the CRC-32C of their bytes as the sender stated it, each
+        layer's K then V, layer after layer (None: the caller checked them);
+        ChecksumMismatch (a ValueError) when they differ."""
 
     @abstractmethod
     def commit(self, request_id: str, first_token_id: int,
@@ -257,12 +259,17 @@ class PagedKVConnector(KVConnector):
                 raise IndexError(f"block indices {idx[:8].tolist()} outside the "
                                  f"reservation's {len(table)} blocks")
             phys = np.asarray(table, dtype=np.int64)[idx]
+            if layer + k.shape[0] > self.kv.spec.num_layers:
+                raise IndexError(f"layers {layer}..{layer + k.shape[0] - 1} outside the "
+                                 f"cache's {self.kv.spec.num_layers}")
+            caches = [(self.kv.key(i), self.kv.value(i))
+                      for i in range(layer, layer + k.shape[0])]
             if crc32c is None:
-                copy_blocks(self.kv.key(layer), phys, k)
-                copy_blocks(self.kv.value(layer), phys, v)
+                for (k_dst, v_dst), k_l, v_l in zip(caches, k, v, strict=True):
+                    copy_blocks(k_dst, phys, k_l)
+                    copy_blocks(v_dst, phys, v_l)
             else:
-                ingest_blocks(self.kv.key(layer), self.kv.value(layer), phys, k, v, crc32c,
-                              exclusive=self._held_alone(phys))
+                ingest_blocks(caches, phys, k, v, crc32c, exclusive=self._held_alone(phys))
         except Exception as e:
             self._failed[request_id] = e
             raise

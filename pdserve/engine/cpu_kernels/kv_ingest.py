@@ -39,9 +39,10 @@ def _check(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
 
 @typed_op("ingest_kv_blocks", mutates_args=("k_cache", "v_cache"))
 def ingest_kv_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor, path: str = "auto") -> int:
+                     k: torch.Tensor, v: torch.Tensor, crc: int = 0, path: str = "auto") -> int:
     """k_cache[block_ids[i]] = k[i] and v_cache[block_ids[i]] = v[i] for every i; returns the
-    CRC-32C of k's bytes followed by v's, taken as they are copied.
+    CRC-32C of k's bytes followed by v's, taken as they are copied, continued from `crc`
+    (the CRC-32C of the bytes before them, as for the later layers of a multi-layer chunk).
 
     k_cache, v_cache: one layer's `[num_blocks, ...]`, contiguous; k, v: `[n, ...]` of the
     same block shape and dtype, contiguous; block_ids: int64 `[n]`, each in [0, num_blocks).
@@ -50,18 +51,20 @@ def ingest_kv_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: to
     _check(k_cache, v_cache, block_ids, k, v, path)
     code = path_code(path)
     n = k.shape[0]
+    if not 0 <= crc < 1 << 32:
+        raise ValueError(f"crc must be a uint32, got {crc}")
     if n == 0:
-        return 0
+        return crc
     lo, hi = int(block_ids.min()), int(block_ids.max())
     if lo < 0 or hi >= k_cache.shape[0]:
         raise ValueError(f"block_ids: {lo if lo < 0 else hi} outside [0, {k_cache.shape[0]})")
     block_bytes = k[0].numel() * k.element_size()
     return int(load().ki_ingest_blocks(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
                                        v_cache.data_ptr(), block_ids.data_ptr(), n,
-                                       block_bytes, code))
+                                       block_bytes, code, crc))
 
 
 @register_fake("ingest_kv_blocks")
-def _(k_cache, v_cache, block_ids, k, v, path="auto"):
+def _(k_cache, v_cache, block_ids, k, v, crc=0, path="auto"):
     _check(k_cache, v_cache, block_ids, k, v, path)
     return 0

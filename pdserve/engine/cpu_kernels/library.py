@@ -108,7 +108,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cc_paths.argtypes = []
     lib.cc_paths.restype = i32
     # kv_ingest.c
-    lib.ki_ingest_blocks.argtypes = [p, p, p, p, p, i64, i64, i32]
+    lib.ki_ingest_blocks.argtypes = [p, p, p, p, p, i64, i64, i32, ctypes.c_uint32]
     lib.ki_ingest_blocks.restype = ctypes.c_uint32
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/kvtransfer.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xba\x01\n\x07KVChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x15\n\rblock_indices\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x07 \x01(\r\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12%\n\x03shm\x18\x14 \x01(\x0b\x32\x18.pdserve.v1.KVShmPayload\".\n\x0cKVShmPayload\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xe8\x01\n\x08KVCommit\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12)\n\x06timing\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.PrefillTiming\"1\n\x07KVAbort\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x86\x01\n\tKVMessage\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x12&\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVCommitH\x00\x12$\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.KVAbortH\x00\x42\x05\n\x03msg\"H\n\x07PushAck\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x32\x42\n\nKVTransfer\x12\x34\n\x04Push\x12\x15.pdserve.v1.KVMessage\x1a\x13.pdserve.v1.PushAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/kvtransfer.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xce\x01\n\x07KVChunk\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x15\n\rblock_indices\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x07 \x01(\r\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12%\n\x03shm\x18\x14 \x01(\x0b\x32\x18.pdserve.v1.KVShmPayload\x12\x12\n\nnum_layers\x18\t \x01(\r\".\n\x0cKVShmPayload\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xe8\x01\n\x08KVCommit\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12)\n\x06timing\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.PrefillTiming\"1\n\x07KVAbort\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x86\x01\n\tKVMessage\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x12&\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVCommitH\x00\x12$\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.KVAbortH\x00\x42\x05\n\x03msg\"H\n\x07PushAck\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x12\n\nnum_chunks\x18\x02 \x01(\x04\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x32\x42\n\nKVTransfer\x12\x34\n\x04Push\x12\x15.pdserve.v1.KVMessage\x1a\x13.pdserve.v1.PushAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.protos.pdserve.v1.k
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVCHUNK']._serialized_start=83
-  _globals['_KVCHUNK']._serialized_end=269
-  _globals['_KVSHMPAYLOAD']._serialized_start=271
-  _globals['_KVSHMPAYLOAD']._serialized_end=317
-  _globals['_KVCOMMIT']._serialized_start=320
-  _globals['_KVCOMMIT']._serialized_end=552
-  _globals['_KVABORT']._serialized_start=554
-  _globals['_KVABORT']._serialized_end=603
-  _globals['_KVMESSAGE']._serialized_start=606
-  _globals['_KVMESSAGE']._serialized_end=740
-  _globals['_PUSHACK']._serialized_start=742
-  _globals['_PUSHACK']._serialized_end=814
-  _globals['_KVTRANSFER']._serialized_start=816
-  _globals['_KVTRANSFER']._serialized_end=882
+  _globals['_KVCHUNK']._serialized_end=289
+  _globals['_KVSHMPAYLOAD']._serialized_start=291
+  _globals['_KVSHMPAYLOAD']._serialized_end=337
+  _globals['_KVCOMMIT']._serialized_start=340
+  _globals['_KVCOMMIT']._serialized_end=572
+  _globals['_KVABORT']._serialized_start=574
+  _globals['_KVABORT']._serialized_end=623
+  _globals['_KVMESSAGE']._serialized_start=626
+  _globals['_KVMESSAGE']._serialized_end=760
+  _globals['_PUSHACK']._serialized_start=762
+  _globals['_PUSHACK']._serialized_end=834
+  _globals['_KVTRANSFER']._serialized_start=836
+  _globals['_KVTRANSFER']._serialized_end=902
 # @@protoc_insertion_point(module_scope)

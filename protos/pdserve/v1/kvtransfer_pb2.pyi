@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVChunk(_message.Message):
-    __slots__ = ("reservation_id", "layer", "block_indices", "dtype", "shape", "seq", "crc32c", "payload", "shm")
+    __slots__ = ("reservation_id", "layer", "block_indices", "dtype", "shape", "seq", "crc32c", "payload", "shm", "num_layers")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class KVChunk(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     layer: int
     block_indices: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class KVChunk(_message.Message):
     crc32c: int
     payload: bytes
     shm: KVShmPayload
-    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., crc32c: _Optional[int] = ..., payload: _Optional[bytes] = ..., shm: _Optional[_Union[KVShmPayload, _Mapping]] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, reservation_id: _Optional[str] = ..., layer: _Optional[int] = ..., block_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., crc32c: _Optional[int] = ..., payload: _Optional[bytes] = ..., shm: _Optional[_Union[KVShmPayload, _Mapping]] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class KVShmPayload(_message.Message):
     __slots__ = ("offset", "length")
