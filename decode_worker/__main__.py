@@ -4,10 +4,10 @@ SIGTERM. Both go through `build_parser` (the one definition of its flags) and `r
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
+from pdserve import event_loop
 from pdserve.kvtransfer.shm import DEFAULT_POOL_BYTES
 from pdserve.kvtransfer.shm_sender import KV_TRANSPORT_MODES
 from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
@@ -43,7 +43,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"decode worker: {e}", file=sys.stderr)
         return 2
     worker = DecodeWorker(config, kv_transport=a.kv_transport, kv_shm_bytes=a.kv_shm_bytes)
-    asyncio.run(run_until_signal(worker.start, worker.stop))
+    event_loop.run(run_until_signal(worker.start, worker.stop))
     return 0
 
 

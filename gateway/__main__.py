@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 
+from pdserve import event_loop
 from pdserve.cluster_auth import add_credential_args, credentials_from_args
 from pdserve.engine.model_files import hide_torch, resolve_model
 from pdserve.gateway.planner import PlannerConfig, PlannerMode
@@ -140,7 +141,7 @@ def run(a: argparse.Namespace) -> int:
     # this process runs no model: keep transformers from loading torch for the config and
     # tokenizer (a GGUF's are read from their export, made by a child process that may)
     hide_torch()
-    asyncio.run(serve(config))
+    event_loop.run(serve(config))
     return 0
 
 

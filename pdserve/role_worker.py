@@ -25,6 +25,7 @@ import sys
 
 import grpc
 
+from pdserve import event_loop
 from pdserve.decode_worker import server as decode
 from pdserve.prefill_worker import server as prefill
 from pdserve.prefill_worker.service import DEFAULT_MAX_QUEUE
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     worker = RoleWorker(config, a.role, max_chunk_bytes=a.max_chunk_bytes,
                         max_queue=a.max_queue)
-    asyncio.run(run_until_signal(worker.start, worker.stop))
+    event_loop.run(run_until_signal(worker.start, worker.stop))
     return 0
 
 

@@ -4,10 +4,10 @@ SIGTERM. Both go through `build_parser` (the one definition of its flags) and `r
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
+from pdserve import event_loop
 from pdserve.kvtransfer.shm_sender import KV_TRANSPORT_MODES
 from pdserve.prefill_worker.service import DEFAULT_MAX_QUEUE
 from pdserve.worker_runtime import add_worker_args, run_until_signal, worker_config_from_args
@@ -44,7 +44,7 @@ def run(a: argparse.Namespace) -> int:
         return 2
     worker = PrefillWorker(config, max_chunk_bytes=a.max_chunk_bytes, max_queue=a.max_queue,
                            kv_transport=a.kv_transport)
-    asyncio.run(run_until_signal(worker.start, worker.stop))
+    event_loop.run(run_until_signal(worker.start, worker.stop))
     return 0
 
 

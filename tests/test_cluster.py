@@ -31,6 +31,7 @@ from pdserve.cluster import (
     parse_cpu_spec,
 )
 from pdserve.engine_args import engine_argv, engine_config_from_args
+from pdserve.event_loop import loop_name
 
 # ---------------------------------------------------------------------------- pure logic
 
@@ -358,6 +359,9 @@ def test_real_cluster_serves_a_chat_completion(tiny_model_dir):
         assert out["choices"][0]["message"]["role"] == "assistant"
         assert out["usage"]["completion_tokens"] >= 1
         pids = cluster.pids
+        # every tier served on the event loop pdserve.event_loop chose for this machine
+        for name in ("gateway", "prefill-0", "decode-0"):
+            assert f"event loop: {loop_name()}" in cluster.log_path(name).read_text(), name
     finally:
         cluster.stop()
     assert len(pids) == 3 and all(_gone(p) for p in pids)
