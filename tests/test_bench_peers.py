@@ -99,6 +99,10 @@ def test_pdserve_starts_through_pdserve_up(tmp_path):
         assert la.health_url == "http://127.0.0.1:8123/health"
         assert reset_requests(SYSTEMS[name], la.base_url) == []
         assert SYSTEMS[name].reset == "restart"
+    extra = ("--max-num-batched-tokens", "512")
+    assert launch(SYSTEMS["pdserve-fp32"], paths, 8123, extra).argv[-2:] == extra
+    assert "--max-num-batched-tokens" not in launch(SYSTEMS["vllm-fp32"], paths, 8123,
+                                                    extra).argv
 
 
 def test_vllm_command_and_tuned_env(tmp_path):

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--drain", type=float, default=600.0, metavar="S",
                    help="a workload's time limit is its arrival window plus S; requests not "
                         "done by then are lost (default 600)")
+    r.add_argument("--pdserve-args", default="", metavar="ARGS",
+                   help="extra arguments for the pdserve systems' `pdserve up`, one "
+                        "shell-quoted string, e.g. \"--max-num-batched-tokens 512\" "
+                        "(default none: the defaults a user gets)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
@@ -97,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = RunSettings(systems=tuple(a.systems), workloads=tuple(a.workloads), seed=a.seed,
                     startup_timeout_s=a.startup_timeout, guard_timeout_s=a.guard_timeout,
                     guard_cpu_pct=a.guard_cpu, drain_s=a.drain, progress=not a.no_progress,
+                    pdserve_args=tuple(shlex.split(a.pdserve_args)),
                     command=shlex.join(["python", "-m", "pdserve.bench.peers", *argv]))
     try:
         run(paths, s, a.out_dir)

@@ -80,6 +80,7 @@ class RunSettings:
     drain_s: float = 600.0
     progress: bool = True
     command: str = "python -m pdserve.bench.peers run"
+    pdserve_args: tuple[str, ...] = ()  # appended to the pdserve systems' `pdserve up`
 
 
 def check_built(paths: PeerPaths, names: tuple[str, ...]) -> None:
@@ -208,7 +209,8 @@ def measure_system(paths: PeerPaths, s: RunSettings, system: System, tokenizer: 
     warmup = warmup_requests(tokenizer, s.seed)
 
     def start() -> Server:
-        srv = Server(system, launch(system, paths, free_port()), log_dir / f"{system.name}.log")
+        srv = Server(system, launch(system, paths, free_port(), s.pdserve_args),
+                     log_dir / f"{system.name}.log")
         out["command"] = " ".join(srv.launch.argv)
         out["env"] = srv.launch.env
         say(f"{system.name}: starting: {out['command']}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,13 +107,15 @@ def vllm_env(paths: PeerPaths) -> dict[str, str]:
     return env
 
 
-def launch(system: System, paths: PeerPaths, port: int) -> Launch:
-    """The command line, environment and URLs of `system` listening on 127.0.0.1:`port`."""
+def launch(system: System, paths: PeerPaths, port: int,
+           pdserve_args: Sequence[str] = ()) -> Launch:
+    """The command line, environment and URLs of `system` listening on 127.0.0.1:`port`;
+    `pdserve_args` go to a pdserve system's `pdserve up`."""
     base = f"http://127.0.0.1:{port}"
     if system.kind == "pdserve":
         # the default layout for this machine's cores, as `pdserve up` chooses it
         argv = (sys.executable, "-m", "pdserve.cli", "up", "--http-port", str(port),
-                "--grpc-port", "0", "--dtype", system.dtype)
+                "--grpc-port", "0", "--dtype", system.dtype, *pdserve_args)
         return Launch(argv, {}, str(REPO_ROOT), base)
     if system.kind == "vllm":
         # `python -m vllm...api_server`: the `vllm` script fails, the package metadata being
