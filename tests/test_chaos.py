@@ -78,8 +78,10 @@ def _moves(cluster) -> int:
 def _under(chaos, fault: str, retry_s: float = 0.0) -> list:
     cluster, load, reference = chaos
     restarts, moves = cluster.restarts, _moves(cluster)
+    hit: list[tuple[str, bool]] = []
     faulter = threading.Thread(target=lambda: (
-        time.sleep(FAULT_AT_S), inject(cluster, fault, STOP_S, busy_within_s=5.0)), daemon=True)
+        time.sleep(FAULT_AT_S),
+        hit.append(inject(cluster, fault, STOP_S, busy_within_s=5.0))), daemon=True)
     faulter.start()
     outs = asyncio.run(run_load(cluster.endpoints.grpc_address, load, rate=RATE,
                                 retry_s=retry_s, timeout_s=120))
@@ -93,11 +95,15 @@ def _under(chaos, fault: str, retry_s: float = 0.0) -> list:
         while cluster.restarts == restarts:  # the supervisor brings the victim back
             assert time.monotonic() < end, "the killed child was not restarted"
             time.sleep(0.2)
-    if not fault.startswith("restart"):  # the fault hit requests in hand, which moved
-        assert _moves(cluster) > moves, "no request failed over or migrated"
     cluster.wait_healthy(timeout=300)
     held = held_blocks(cluster)
     assert not any(held.values()), f"blocks held after the load: {held}"
+    if not fault.startswith("restart"):  # the fault hit requests in hand, which moved
+        victim, busy = hit[0]
+        if not busy and _moves(cluster) == moves:
+            pytest.skip(f"no {victim.split('-')[0]} worker was seen with requests in hand "
+                        "within 5 s, so the fault landed between requests (loaded machine)")
+        assert _moves(cluster) > moves, "no request failed over or migrated"
     return outs
 
 

@@ -154,18 +154,22 @@ def _first_busy(cluster: LocalCluster, names: list[str], within_s: float) -> str
 
 
 def inject(cluster: LocalCluster, fault: str, stop_s: float = 5.0,
-           busy_within_s: float = 0.0) -> str:
-    """Fire one of FAULTS (blocks for `stop_s` for a stop); returns the victim's name.
+           busy_within_s: float = 0.0) -> tuple[str, bool]:
+    """Fire one of FAULTS (blocks for `stop_s` for a stop); returns the victim's name and
+    whether it was seen with requests in hand just before (always True for the gateway).
     With `busy_within_s`, a worker is hit once it has requests in hand (or when that time
     has passed), so the fault lands mid-request. A killed child is restarted by whoever
     supervises the cluster. The victim is the first worker of its tier found busy (with
     two decode workers, load can sit on either), else the tier's first worker."""
     action, tier = fault.split("-", 1)
+    busy = True
     if tier == "gateway":
         victim = "gateway"
     else:
         tier_workers = [w.name for w in cluster.endpoints.workers if w.tier == tier]
-        victim = _first_busy(cluster, tier_workers, busy_within_s) or tier_workers[0]
+        found = _first_busy(cluster, tier_workers, busy_within_s)
+        busy = found is not None
+        victim = found or tier_workers[0]
     pid = _pid(cluster, victim)
     if action in ("kill", "restart"):
         os.kill(pid, signal.SIGKILL)
@@ -175,7 +179,7 @@ def inject(cluster: LocalCluster, fault: str, stop_s: float = 5.0,
             time.sleep(stop_s)
         finally:
             os.kill(pid, signal.SIGCONT)
-    return victim
+    return victim, busy
 
 
 class Supervisor:
