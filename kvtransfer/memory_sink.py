@@ -88,9 +88,8 @@ class InMemoryKVSink:
             phys = [table[i] for i in block_indices]
             # a reservation's blocks are its alone from the free list until abort or release
             try:
-                caches = [(self.cache.key(i), self.cache.value(i))
-                          for i in range(layer, layer + k.shape[0])]
-                ingest_blocks(caches, phys, k, v, crc32c, exclusive=True)
+                ingest_blocks(self.cache.layer_caches(layer, k.shape[0]), phys, k, v, crc32c,
+                              exclusive=True)
             except ValueError:
                 self._failed.add(reservation_id)
                 raise

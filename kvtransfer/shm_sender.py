@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import grpc
@@ -78,18 +78,20 @@ class ShmKVPushStream(GrpcKVPushStream):
             except queue.Empty:
                 return layers, None
             if not (isinstance(item, _Layer) and item.layer == layers[-1].layer + 1
-                    and item.block_indices == first.block_indices
-                    and size + _payload_bytes(item) <= self._max_chunk_bytes):
+                    and item.block_indices == first.block_indices):
+                return layers, item
+            size += _payload_bytes(item)
+            if size > self._max_chunk_bytes:
                 return layers, item
             layers.append(item)
-            size += _payload_bytes(item)
 
     def _encode(self, layers: list[_Layer]) -> Iterator[EncodedChunk]:
+        chunks: Iterable[EncodedChunk]
         if len(layers) > 1:
-            chunks: Iterator[EncodedChunk] = iter((encode_layers_descriptor(
+            chunks = [encode_layers_descriptor(
                 self.reservation_id, layers[0].layer, layers[0].block_indices,
                 [(item.k, item.v) for item in layers], self._view, offset=self._offset,
-                seq=self._num_chunks),))
+                seq=self._num_chunks)]
         else:
             (item,) = layers
             chunks = encode_layer_descriptors(

@@ -52,6 +52,13 @@ class PagedKVCache:
     def value(self, layer: int) -> torch.Tensor:
         return self.data[layer, 1]
 
+    def layer_caches(self, first: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) of layers first .. first + count - 1: where a chunk of several layers goes."""
+        if first < 0 or first + count > self.spec.num_layers:
+            raise IndexError(f"layers {first}..{first + count - 1} outside the cache's "
+                             f"{self.spec.num_layers}")
+        return [(self.key(i), self.value(i)) for i in range(first, first + count)]
+
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
           "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}

@@ -259,11 +259,7 @@ class PagedKVConnector(KVConnector):
                 raise IndexError(f"block indices {idx[:8].tolist()} outside the "
                                  f"reservation's {len(table)} blocks")
             phys = np.asarray(table, dtype=np.int64)[idx]
-            if layer + k.shape[0] > self.kv.spec.num_layers:
-                raise IndexError(f"layers {layer}..{layer + k.shape[0] - 1} outside the "
-                                 f"cache's {self.kv.spec.num_layers}")
-            caches = [(self.kv.key(i), self.kv.value(i))
-                      for i in range(layer, layer + k.shape[0])]
+            caches = self.kv.layer_caches(layer, k.shape[0])
             if crc32c is None:
                 for (k_dst, v_dst), k_l, v_l in zip(caches, k, v, strict=True):
                     copy_blocks(k_dst, phys, k_l)
