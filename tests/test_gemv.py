@@ -23,7 +23,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 17])  # 9 and 17: past a pass of 8 rows of x
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 17])  # 9 and 17: past a pass of 8 rows of x
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 64), (100, 33), (17, 5), (3, 70000)])
 def test_matches_reference(dtype, m, k, n):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)

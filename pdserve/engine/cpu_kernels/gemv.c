@@ -41,65 +41,92 @@ INLINE __m512 load_w(const void *w, int64_t k, __mmask16 m, int dt)
 }
 
 /* out[b] = dot(x[b], w) over K for b < NB: one function per NB, so the accumulators are
- * a fixed set of registers. */
-#define DEFINE_DOT(NB)                                                                        \
+ * a fixed set of registers. Each row of x gets U accumulators over interleaved stretches
+ * of K: a dot product is a chain of dependent FMAs, and with one chain per row of x a
+ * decode step at M = 1-2 waited in part on the instruction's latency (4 cycles for a
+ * 512-bit FMA, ~8 for vdpbf16ps on this Xeon). Streaming 135 M weights at M = 1, both
+ * versions in one process, alternated (docs/benchmarks.md section 6, session 9): bfloat16
+ * 15.3 -> 13.7-14.1 ms with 2-4 chains, float32 25.3 -> 22.3-23.7 ms with 4, near the
+ * ~25 GB/s two cores read. From NB x U = 4 chains on, more only costs registers. */
+#define DEFINE_DOT(NB, U)                                                                     \
     static void dot_row_##NB(const void *w, const float *x, int64_t K, int dt, float *out)   \
     {                                                                                         \
-        __m512 acc[NB];                                                                       \
+        __m512 acc[NB][U];                                                                    \
         for (int b = 0; b < NB; b++)                                                          \
-            acc[b] = _mm512_setzero_ps();                                                     \
+            for (int u = 0; u < U; u++)                                                       \
+                acc[b][u] = _mm512_setzero_ps();                                              \
         int64_t k = 0;                                                                        \
-        for (; k + 16 <= K; k += 16) {                                                        \
-            const __m512 wv = load_w(w, k, (__mmask16)0xffff, dt);                            \
-            for (int b = 0; b < NB; b++)                                                      \
-                acc[b] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * K + k), acc[b]);         \
-        }                                                                                     \
-        if (k < K) {                                                                          \
-            const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);                             \
+        for (; k + 16 * U <= K; k += 16 * U)                                                  \
+            for (int u = 0; u < U; u++) {                                                     \
+                const __m512 wv = load_w(w, k + 16 * u, (__mmask16)0xffff, dt);               \
+                for (int b = 0; b < NB; b++)                                                  \
+                    acc[b][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * K + k + 16 * u),  \
+                                                acc[b][u]);                                   \
+            }                                                                                 \
+        for (; k < K; k += 16) {                                                              \
+            const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff                               \
+                                            : (__mmask16)((1u << (K - k)) - 1);               \
             const __m512 wv = load_w(w, k, m, dt);                                            \
             for (int b = 0; b < NB; b++)                                                      \
-                acc[b] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + b * K + k), acc[b]);\
+                acc[b][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + b * K + k),      \
+                                            acc[b][0]);                                       \
         }                                                                                     \
-        for (int b = 0; b < NB; b++)                                                          \
-            out[b] = _mm512_reduce_add_ps(acc[b]);                                            \
+        for (int b = 0; b < NB; b++) {                                                        \
+            for (int u = 1; u < U; u++)                                                       \
+                acc[b][0] = _mm512_add_ps(acc[b][0], acc[b][u]);                              \
+            out[b] = _mm512_reduce_add_ps(acc[b][0]);                                         \
+        }                                                                                     \
     }
-DEFINE_DOT(1)
-DEFINE_DOT(2)
-DEFINE_DOT(3)
-DEFINE_DOT(4)
-DEFINE_DOT(5)
-DEFINE_DOT(6)
-DEFINE_DOT(7)
-DEFINE_DOT(8)
+DEFINE_DOT(1, 4)
+DEFINE_DOT(2, 2)
+DEFINE_DOT(3, 1)
+DEFINE_DOT(4, 1)
+DEFINE_DOT(5, 1)
+DEFINE_DOT(6, 1)
+DEFINE_DOT(7, 1)
+DEFINE_DOT(8, 1)
 
 #ifdef __AVX512BF16__
-/* bfloat16 x bfloat16 with vdpbf16ps: 32 weights a step, x kept in bfloat16 (X_BF16). */
+/* bfloat16 x bfloat16 with vdpbf16ps: 32 weights a step, x kept in bfloat16 (X_BF16);
+ * U accumulators per row of x, as above. */
 #define X_BF16 1
-#define DEFINE_DOT_BF16(NB)                                                                   \
+#define DEFINE_DOT_BF16(NB, U)                                                                \
     static void dot_bf16_##NB(const uint16_t *w, const uint16_t *x, int64_t K, float *out)   \
     {                                                                                         \
-        __m512 acc[NB];                                                                       \
+        __m512 acc[NB][U];                                                                    \
         for (int b = 0; b < NB; b++)                                                          \
-            acc[b] = _mm512_setzero_ps();                                                     \
-        for (int64_t k = 0; k < K; k += 32) {                                                 \
+            for (int u = 0; u < U; u++)                                                       \
+                acc[b][u] = _mm512_setzero_ps();                                              \
+        int64_t k = 0;                                                                        \
+        for (; k + 32 * U <= K; k += 32 * U)                                                  \
+            for (int u = 0; u < U; u++) {                                                     \
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);             \
+                for (int b = 0; b < NB; b++)                                                  \
+                    acc[b][u] = _mm512_dpbf16_ps(                                             \
+                        acc[b][u], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k + 32 * u)); \
+            }                                                                                 \
+        for (; k < K; k += 32) {                                                              \
             const __mmask32 m = K - k >= 32 ? (__mmask32)0xffffffffu                          \
                                              : (__mmask32)((1ull << (K - k)) - 1);            \
             const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);                 \
             for (int b = 0; b < NB; b++)                                                      \
-                acc[b] = _mm512_dpbf16_ps(                                                    \
-                    acc[b], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * K + k));        \
+                acc[b][0] = _mm512_dpbf16_ps(                                                 \
+                    acc[b][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * K + k));     \
         }                                                                                     \
-        for (int b = 0; b < NB; b++)                                                          \
-            out[b] = _mm512_reduce_add_ps(acc[b]);                                            \
+        for (int b = 0; b < NB; b++) {                                                        \
+            for (int u = 1; u < U; u++)                                                       \
+                acc[b][0] = _mm512_add_ps(acc[b][0], acc[b][u]);                              \
+            out[b] = _mm512_reduce_add_ps(acc[b][0]);                                         \
+        }                                                                                     \
     }
-DEFINE_DOT_BF16(1)
-DEFINE_DOT_BF16(2)
-DEFINE_DOT_BF16(3)
-DEFINE_DOT_BF16(4)
-DEFINE_DOT_BF16(5)
-DEFINE_DOT_BF16(6)
-DEFINE_DOT_BF16(7)
-DEFINE_DOT_BF16(8)
+DEFINE_DOT_BF16(1, 4)
+DEFINE_DOT_BF16(2, 2)
+DEFINE_DOT_BF16(3, 1)
+DEFINE_DOT_BF16(4, 1)
+DEFINE_DOT_BF16(5, 1)
+DEFINE_DOT_BF16(6, 1)
+DEFINE_DOT_BF16(7, 1)
+DEFINE_DOT_BF16(8, 1)
 
 static void dot_bf16(const void *w, const void *x, int64_t K, int nb, float *out)
 {
