@@ -63,6 +63,11 @@ for dtype in (torch.float32, torch.bfloat16):
         torch.testing.assert_close(cpu.linear(xs, ws).float(), xs.float() @ ws.float().T,
                                    atol=1e-4 if dtype == torch.float32 else 1e-2,
                                    rtol=1e-5 if dtype == torch.float32 else 2 ** -7)
+from pdserve.engine.cpu_kernels.sampling_noise import exponential_noise
+from pdserve.engine.sampling_noise import noise_from_keys
+keys = torch.tensor([0, 5, 2**32 - 1])
+torch.testing.assert_close(exponential_noise(keys, 9000), noise_from_keys(keys, 9000),
+                           rtol=6e-7, atol=0)
 print(library_path())
 """
 

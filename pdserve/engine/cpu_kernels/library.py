@@ -110,6 +110,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # kv_ingest.c
     lib.ki_ingest_blocks.argtypes = [p, p, p, p, p, i64, i64, i32, ctypes.c_uint32]
     lib.ki_ingest_blocks.restype = ctypes.c_uint32
+    # sampling_noise.c
+    lib.sn_exponential_noise.argtypes = [p, i64, i64, p, i32]
+    lib.sn_exponential_noise.restype = None
 
 
 def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:
