@@ -63,11 +63,13 @@ for dtype in (torch.float32, torch.bfloat16):
         torch.testing.assert_close(cpu.linear(xs, ws).float(), xs.float() @ ws.float().T,
                                    atol=1e-4 if dtype == torch.float32 else 1e-2,
                                    rtol=1e-5 if dtype == torch.float32 else 2 ** -7)
-from pdserve.engine.cpu_kernels.sampling_noise import exponential_noise
-from pdserve.engine.sampling_noise import noise_from_keys
+from pdserve.engine.cpu_kernels.sampling_noise import exponential_noise, exponential_race
+from pdserve.engine.sampling_noise import noise_from_keys, race_from_keys
 keys = torch.tensor([0, 5, 2**32 - 1])
 torch.testing.assert_close(exponential_noise(keys, 9000), noise_from_keys(keys, 9000),
                            rtol=6e-7, atol=0)
+logits = torch.randn(3, 9000, generator=gen) * 3
+assert torch.equal(exponential_race(logits, keys), race_from_keys(logits, keys))
 print(library_path())
 """
 

@@ -1,5 +1,6 @@
-"""`pdserve::exponential_noise` (cpu_kernels/sampling_noise.c) against the torch formula of
-pdserve.engine.sampling_noise, and the CPU sampler drawing through it."""
+"""`pdserve::exponential_noise` and `pdserve::exponential_race` (cpu_kernels/sampling_noise.c)
+against the torch formulas of pdserve.engine.sampling_noise, and the CPU sampler drawing
+through them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import pytest
 import torch
 
 from pdserve.engine.cpu_kernels.sampling_noise import exponential_noise as noise_op
-from pdserve.engine.sampling_noise import exponential_noise, noise_from_keys, row_keys
+from pdserve.engine.cpu_kernels.sampling_noise import exponential_race as race_op
+from pdserve.engine.sampling_noise import (
+    exponential_noise,
+    exponential_race,
+    noise_from_keys,
+    race_from_keys,
+    row_keys,
+)
 
 # libmvec's vector logf against torch's: a few ulp of float32 (u itself is bit-equal)
 REL_TOL = 6e-7
@@ -58,3 +66,59 @@ def test_empty_shapes():
 def test_bad_arguments_are_refused(keys, vocab, match):
     with pytest.raises(ValueError, match=match):
         noise_op(keys, vocab)
+
+
+def _keys(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return row_keys(torch.randint(0, 2**62, (n,), generator=g),
+                    torch.randint(0, 4096, (n,), generator=g))
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 49152), (7, 257), (3, 1), (1, 5000)])
+def test_race_matches_the_torch_formula(rows, vocab):
+    # the kernel skips the softmax's division and computes exp and log with libmvec: only a
+    # near-tie closer than a few ulp could go the other way (none in these draws)
+    g = torch.Generator().manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    keys = _keys(rows)
+    got = race_op(logits, keys)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, race_from_keys(logits, keys))
+
+
+def test_race_never_draws_a_filtered_token():
+    logits = torch.full((200, 1000), float("-inf"))
+    logits[:, 3] = 0.0
+    logits[:, 500] = -200.0  # kept but ~e^-200 of the mass: never drawn either
+    logits[100:, 999] = 1.0
+    got = race_op(logits, _keys(200))
+    assert (got[:100] == 3).all()
+    assert set(got[100:].tolist()) <= {3, 999} and len(set(got[100:].tolist())) == 2
+
+
+def test_race_draws_from_the_softmax():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    n = 20000
+    got = race_op(probs.log().expand(n, 4).contiguous(), _keys(n, seed=1))
+    freq = torch.bincount(got, minlength=4).float() / n
+    # binomial sd at n = 20000 is <= 0.0035: 5 sd
+    assert torch.allclose(freq, probs, atol=0.018), freq
+
+
+def test_cpu_race_goes_through_the_kernel():
+    seeds, pos = torch.tensor([7, 2**40 + 3]), torch.tensor([0, 11])
+    logits = torch.randn(2, 3000)
+    assert torch.equal(exponential_race(logits, seeds, pos),
+                       race_op(logits, row_keys(seeds, pos)))
+
+
+@pytest.mark.parametrize("logits,keys,match", [
+    (torch.zeros(2, 4, dtype=torch.float64), torch.tensor([1, 2]), "float32"),
+    (torch.zeros(3, 4), torch.tensor([1, 2]), r"\[2, V\]"),
+    (torch.zeros(2, 0), torch.tensor([1, 2]), "V >= 1"),
+    (torch.zeros(4, 2).t(), torch.tensor([1, 2]), "contiguous"),
+    (torch.zeros(2, 4), torch.tensor([1, 2**32]), r"\[0, 2\*\*32\)"),
+])
+def test_race_refuses_bad_arguments(logits, keys, match):
+    with pytest.raises(ValueError, match=match):
+        race_op(logits, keys)

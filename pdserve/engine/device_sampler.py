@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.sampler import SampleRow
-from pdserve.engine.sampling_noise import exponential_noise, row_seed
+from pdserve.engine.sampling_noise import exponential_race, row_seed
 from pdserve.protocol import TokenLogprobs
 
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' bound; what a captured step computes
@@ -205,8 +205,7 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
             probs = y.softmax(-1)
             y = y.masked_fill(probs < f[:, _MIN_P, None] * probs.amax(-1, keepdim=True),
                               float("-inf"))
-        noise = exponential_noise(i[:, _SEED], i[:, _POS], y.shape[-1])
-        drawn = (y.softmax(-1) / noise).argmax(-1)
+        drawn = exponential_race(y, i[:, _SEED], i[:, _POS])
         tokens = torch.where(f[:, _GREEDY] > 0, tokens, drawn)
     cols = [tokens.to(torch.float64)[:, None]]
     if flags.any_logprobs:

@@ -2,9 +2,9 @@
 
 Order per row: penalties -> min_tokens masking -> (greedy argmax) | temperature -> top-k ->
 top-p -> min-p -> draw. Logprobs are of the raw model distribution (before any processing),
-which is what OpenAI-compatible servers report. A row draws with the noise of
-`sampling_noise.exponential_noise` keyed by (seed, output position), so a seeded row's tokens
-do not depend on what else is in the batch, nor on the device. A re-admitted request
+which is what OpenAI-compatible servers report. A row draws with `sampling_noise.exponential_race`,
+its noise keyed by (seed, output position), so a seeded row's tokens do not depend on what
+else is in the batch, nor on the device. A re-admitted request
 (`SamplingParams.output_offset`) counts the output it made elsewhere, now the tail of its
 prompt, in that position and in the output-only penalties: it draws the same sequence it
 would have drawn had it never moved.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling_noise import exponential_noise, row_seed
+from pdserve.engine.sampling_noise import exponential_race, row_seed
 from pdserve.protocol import SamplingParams, TokenLogprobs
 
 
@@ -84,11 +84,9 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
-    probs = logits.softmax(-1)
-    noise = exponential_noise(torch.tensor([row_seed(p.seed)]), torch.tensor([position]),
-                              probs.shape[-1])[0]
     # argmax(p / E) with E ~ Exp(1) is an exact draw from p (the exponential race)
-    return int((probs.cpu() / noise).argmax())
+    return int(exponential_race(logits[None].cpu(), torch.tensor([row_seed(p.seed)]),
+                                torch.tensor([position]))[0])
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[tuple[int, TokenLogprobs | None]]:

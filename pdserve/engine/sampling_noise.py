@@ -7,17 +7,19 @@ device (CPU or CUDA), at any batch size and batch position, with no generator st
 host sync (the graph-captured decode step can compute it). Rows without a seed get a fresh
 random seed per step from the host (`row_seed`), through the same function.
 
-Both the device sampler and the per-row reference sampler draw from `exponential_noise`.
-On the CPU it is one pass of C (`pdserve::exponential_noise`, cpu_kernels/sampling_noise.c):
-the torch formula below (its reference, and the path on other devices) makes a dozen int64
-passes over [B, vocab], ~67 ms for 64 rows of a 49k vocabulary on two cores — more than the
-decode step it samples for.
+Both the device sampler and the per-row reference sampler draw with `exponential_race`.
+On the CPU the noise and the race are C (cpu_kernels/sampling_noise.c: the race hashes the
+noise in the pass that compares, writing nothing of size [B, vocab]); the torch formulas
+below are their references and the path on other devices. For 64 sampled rows of a 49k
+vocabulary on two cores the formulas took ~67 ms for the noise and ~21 ms more for the
+race's temporaries, more than the decode step they sample for.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,11 +45,21 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B] seeds, [B] positions -> [B, vocab] float32 Exp(1) noise on the seeds' device."""
     keys = row_keys(seeds.long(), positions.long())  # [B]
-    if keys.device.type == "cpu":
-        op = _cpu_noise()
-        if op is not None:
-            return op(keys.contiguous(), vocab)
+    ops = _cpu_ops() if keys.device.type == "cpu" else None
+    if ops is not None:
+        return ops.noise(keys.contiguous(), vocab)
     return noise_from_keys(keys, vocab)
+
+
+def exponential_race(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+                     ) -> torch.Tensor:
+    """[B, V] float32 logits, [B] seeds, [B] positions -> [B] int64 tokens, each an exact
+    draw from its row's softmax: argmax(softmax(logits) / E) with E the rows' noise."""
+    keys = row_keys(seeds.long(), positions.long())
+    ops = _cpu_ops() if logits.device.type == "cpu" else None
+    if ops is not None:
+        return ops.race(logits.float().contiguous(), keys.contiguous())
+    return race_from_keys(logits, keys)
 
 
 def noise_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -59,22 +71,37 @@ def noise_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(u)
 
 
+def race_from_keys(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The torch formula of the race: [B, V] logits, [B] stream keys -> [B] tokens."""
+    noise = noise_from_keys(keys, logits.shape[-1]).to(logits.device)
+    return (logits.float().softmax(-1) / noise).argmax(-1)
+
+
 def row_seed(seed: int | None) -> int:
     """The seed a row draws with this step: its own, else a fresh random one."""
     return seed if seed is not None else random.getrandbits(63)
 
 
+@dataclass(frozen=True)
+class CpuSamplingOps:
+    noise: Callable[[torch.Tensor, int], torch.Tensor]  # pdserve::exponential_noise
+    race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # pdserve::exponential_race
+
+
 _NOT_LOADED = object()
-_cpu_op: object = _NOT_LOADED
+_cpu: object = _NOT_LOADED
 
 
-def _cpu_noise() -> Callable[[torch.Tensor, int], torch.Tensor] | None:
-    """`pdserve::exponential_noise`, or None (warned once) where the C kernels cannot be
-    built: then the torch formula runs."""
-    global _cpu_op
-    if _cpu_op is _NOT_LOADED:
+def _cpu_ops() -> CpuSamplingOps | None:
+    """The C noise and race, or None (warned once) where the C kernels cannot be built:
+    then the torch formulas run."""
+    global _cpu
+    if _cpu is _NOT_LOADED:
         from pdserve.engine.cpu_kernels.library import op_or_none
 
-        _cpu_op = op_or_none("sampling_noise", "exponential_noise", "the C sampling noise",
-                             "sampling draws its noise with torch")
-    return _cpu_op  # type: ignore[return-value]
+        noise = op_or_none("sampling_noise", "exponential_noise", "the C sampling noise",
+                           "sampling draws with torch")
+        race = op_or_none("sampling_noise", "exponential_race", "the C sampling race",
+                          "sampling draws with torch")
+        _cpu = CpuSamplingOps(noise, race) if noise is not None and race is not None else None
+    return _cpu  # type: ignore[return-value]

@@ -113,6 +113,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     # sampling_noise.c
     lib.sn_exponential_noise.argtypes = [p, i64, i64, p, i32]
     lib.sn_exponential_noise.restype = None
+    lib.sn_exponential_race.argtypes = [p, p, i64, i64, p, i32]
+    lib.sn_exponential_race.restype = None
 
 
 def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:
