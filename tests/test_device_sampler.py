@@ -164,3 +164,74 @@ def test_flags_reflect_rows_and_all_runs_everything():
     bufs.fill(rows, 2)
     everything = sample_on_device(torch.cat([logits, logits]), bufs, SampleFlags.ALL)
     assert int(everything[0, 0]) == int(logits.argmax())  # every stage a no-op for greedy
+
+
+def _full_sort_filter(y, top_k, top_p, monkeypatch):
+    import pdserve.engine.device_sampler as ds
+
+    with monkeypatch.context() as m:
+        m.setattr(ds, "TOP_CANDIDATES", ())
+        return ds._top_k_top_p(y, top_k, top_p)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_top_k_top_p_from_candidates_equals_the_full_sort(monkeypatch, level):
+    """The candidate path (a vocabulary past twice the candidates) keeps what the full sort
+    keeps, row by row: top-k alone, top-p alone (peaked rows: the mass closes early), both,
+    and neither beside them in one batch."""
+    from pdserve.engine.device_sampler import (
+        TOP_CANDIDATES,
+        _top_k_top_p,
+        _top_k_top_p_candidates,
+    )
+
+    n = TOP_CANDIDATES[level]
+    v = 4 * n + 37
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(6, v, generator=g) * 4
+    y[3, 100] = float("-inf")  # a banned token stays banned
+    top_k = torch.tensor([5, v, 40, v, n, v])
+    top_p = torch.tensor([1.0, 0.9, 0.8, 0.5, 0.95, 1.0])
+    got, done = _top_k_top_p_candidates(y, top_k, top_p, n)
+    assert done.all()  # every row is taken at this level
+    want = _full_sort_filter(y, top_k, top_p, monkeypatch)
+    assert torch.equal(_top_k_top_p(y, top_k, top_p).isinf(), want.isinf())
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[~got.isinf()], want[~want.isinf()])
+    assert (~got[5].isinf()).all() and (~got[0].isinf()).sum() == 5
+
+
+def test_top_p_past_the_candidates_falls_back_to_the_sort(monkeypatch):
+    from pdserve.engine.device_sampler import (
+        TOP_CANDIDATES,
+        _top_k_top_p,
+        _top_k_top_p_candidates,
+    )
+
+    n = TOP_CANDIDATES[-1]
+    v = 4 * n
+    y = torch.zeros(2, v)  # flat: top-p 0.9 keeps ~90 % of the vocabulary
+    y[1] = torch.randn(v, generator=torch.Generator().manual_seed(4)) * 0.01
+    top_k, top_p = torch.tensor([v, v]), torch.tensor([0.9, 0.9])
+    assert not any(_top_k_top_p_candidates(y, top_k, top_p, c)[1].any()
+                   for c in TOP_CANDIDATES)
+    mid_k = torch.tensor([n + 1, 7])  # a top-k past the candidates; one within them
+    assert _top_k_top_p_candidates(y, mid_k, torch.tensor([1.0, 1.0]), n)[1].tolist() == [
+        False, True]
+    got = _top_k_top_p(y[1:], top_k[1:], top_p[1:])
+    assert torch.equal(got, _full_sort_filter(y[1:], top_k[1:], top_p[1:], monkeypatch))
+    assert 0.85 * v < int((~got.isinf()).sum()) < 0.95 * v
+
+
+def test_a_batch_mixing_the_levels_equals_the_full_sort(monkeypatch):
+    """Rows taken from 512 candidates, from 4,096, and from the sort, in one batch."""
+    from pdserve.engine.device_sampler import _top_k_top_p, _top_k_top_p_candidates
+
+    v = 16384
+    g = torch.Generator().manual_seed(5)
+    y = torch.cat([torch.randn(1, v, generator=g) * s for s in (6.0, 2.5, 0.5)])
+    top_k, top_p = torch.full((3,), v), torch.full((3,), 0.9)
+    assert _top_k_top_p_candidates(y, top_k, top_p, 512)[1].tolist() == [True, False, False]
+    assert _top_k_top_p_candidates(y, top_k, top_p, 4096)[1].tolist() == [True, True, False]
+    got = _top_k_top_p(y, top_k, top_p)
+    assert torch.equal(got, _full_sort_filter(y, top_k, top_p, monkeypatch))

@@ -237,7 +237,25 @@ def penalized(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleFlags
 
 def _top_k_top_p(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per-row top-k (ties at the k-th value kept) then top-p over what is left: a token
-    is dropped when the mass sorted before it already reaches top_p (at least one stays)."""
+    is dropped when the mass sorted before it already reaches top_p (at least one stays).
+    Each row from its largest logits where its set lies among them (TOP_CANDIDATES), else
+    from the full sort."""
+    out = torch.empty_like(y)
+    todo = torch.arange(y.shape[0], device=y.device)
+    for n in TOP_CANDIDATES:
+        if y.shape[-1] <= 2 * n or not len(todo):
+            break
+        filtered, done = _top_k_top_p_candidates(y[todo], top_k[todo], top_p[todo], n)
+        out[todo[done]] = filtered[done]
+        todo = todo[~done]
+    if len(todo):
+        out[todo] = _top_k_top_p_sorted(y[todo], top_k[todo], top_p[todo])
+    return out
+
+
+def _top_k_top_p_sorted(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                        ) -> torch.Tensor:
+    """`_top_k_top_p` from the whole sorted row: the definition."""
     srt, order = y.sort(dim=-1, descending=True)
     kth = srt.gather(1, (top_k - 1)[:, None])
     srt = srt.masked_fill(srt < kth, float("-inf"))
@@ -245,3 +263,39 @@ def _top_k_top_p(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     probs = srt.softmax(-1)
     drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     return y.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+# Sorting every row of the vocabulary to find a top-k or top-p set costs more than the step
+# it samples for (64 x 49k on two cores: a 138-178 ms sort, 150-270 ms for the whole
+# filter), while the set lies among a row's largest few thousand logits: SmolLM2-135M's
+# sampled rows needed p50 266 / max 845 tokens for top-p 0.9 at temperature 0.7, p50 1,658 /
+# max 4,179 at 1.0 (384 rows). Each row is taken from its candidates at these counts in turn
+# (topk of 64 rows: 15 and 32 ms); only a row whose set reaches past the last is sorted.
+TOP_CANDIDATES = (512, 4096)
+
+
+def _top_k_top_p_candidates(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`_top_k_top_p` from each row's n largest logits, [rows] bool: the rows it is right
+    for). A row is not when its set may reach past the candidates: a top-k between n and
+    the vocabulary, or a top-p whose mass the candidates do not reach. The mass is the
+    row's softmax over every token top-k keeps, normalised by the full row's logsumexp
+    when top-k is off."""
+    v = y.shape[-1]
+    srt, order = y.topk(n, dim=-1)  # sorted, descending
+    k_on = top_k < v
+    kth = srt.gather(1, (top_k.clamp(max=n) - 1)[:, None])
+    kth = kth.masked_fill(~k_on[:, None], float("-inf"))
+    srt = srt.masked_fill(srt < kth, float("-inf"))
+    # top-k on: the kept tokens are all candidates; off: every token counts in the mass
+    lse = torch.where(k_on, srt.logsumexp(-1), y.logsumexp(-1))
+    probs = (srt - lse[:, None]).exp()
+    before = probs.cumsum(-1) - probs
+    p_on = top_p < 1.0
+    closed = before[:, -1] + probs[:, -1] >= top_p
+    done = ~(k_on & (top_k > n)) & ~(p_on & ~k_on & ~closed)
+    drop = (before >= top_p[:, None]) & p_on[:, None]
+    # past the candidates: dropped where top-k is on (below its k-th) or top-p closed
+    beyond = (k_on | p_on)[:, None].expand(-1, v)
+    full = beyond.clone().scatter_(1, order, drop | (srt == float("-inf")))
+    return y.masked_fill(full, float("-inf")), done
