@@ -240,12 +240,18 @@ def _top_k_top_p(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     is dropped when the mass sorted before it already reaches top_p (at least one stays).
     Each row from its largest logits where its set lies among them (TOP_CANDIDATES), else
     from the full sort."""
+    rows, v = y.shape
+    # the full row's logsumexp: the top-p mass of a row whose top-k is off (once per step)
+    lse = y.logsumexp(-1) if bool((top_k >= v).any()) else None
     out = torch.empty_like(y)
-    todo = torch.arange(y.shape[0], device=y.device)
+    todo = torch.arange(rows, device=y.device)
     for n in TOP_CANDIDATES:
-        if y.shape[-1] <= 2 * n or not len(todo):
+        if v <= 2 * n or not len(todo):
             break
-        filtered, done = _top_k_top_p_candidates(y[todo], top_k[todo], top_p[todo], n)
+        filtered, done = _top_k_top_p_candidates(y[todo], top_k[todo], top_p[todo], n,
+                                                 None if lse is None else lse[todo])
+        if len(todo) == rows and bool(done.all()):
+            return filtered  # the common step: no copy row by row
         out[todo[done]] = filtered[done]
         todo = todo[~done]
     if len(todo):
@@ -275,12 +281,13 @@ TOP_CANDIDATES = (512, 4096)
 
 
 def _top_k_top_p_candidates(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                            n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            n: int, row_lse: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`_top_k_top_p` from each row's n largest logits, [rows] bool: the rows it is right
     for). A row is not when its set may reach past the candidates: a top-k between n and
     the vocabulary, or a top-p whose mass the candidates do not reach. The mass is the
     row's softmax over every token top-k keeps, normalised by the full row's logsumexp
-    when top-k is off."""
+    (`row_lse`, computed here when not given) when top-k is off."""
     v = y.shape[-1]
     srt, order = y.topk(n, dim=-1)  # sorted, descending
     k_on = top_k < v
@@ -288,7 +295,11 @@ def _top_k_top_p_candidates(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     kth = kth.masked_fill(~k_on[:, None], float("-inf"))
     srt = srt.masked_fill(srt < kth, float("-inf"))
     # top-k on: the kept tokens are all candidates; off: every token counts in the mass
-    lse = torch.where(k_on, srt.logsumexp(-1), y.logsumexp(-1))
+    if not bool(k_on.all()):
+        row_lse = y.logsumexp(-1) if row_lse is None else row_lse
+        lse = torch.where(k_on, srt.logsumexp(-1), row_lse)
+    else:
+        lse = srt.logsumexp(-1)
     probs = (srt - lse[:, None]).exp()
     before = probs.cumsum(-1) - probs
     p_on = top_p < 1.0

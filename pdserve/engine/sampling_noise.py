@@ -99,9 +99,11 @@ def _cpu_ops() -> CpuSamplingOps | None:
     if _cpu is _NOT_LOADED:
         from pdserve.engine.cpu_kernels.library import op_or_none
 
-        noise = op_or_none("sampling_noise", "exponential_noise", "the C sampling noise",
+        noise = op_or_none("sampling_noise", "exponential_noise", "the C sampling kernels",
                            "sampling draws with torch")
-        race = op_or_none("sampling_noise", "exponential_race", "the C sampling race",
-                          "sampling draws with torch")
-        _cpu = CpuSamplingOps(noise, race) if noise is not None and race is not None else None
+        _cpu = None
+        if noise is not None:  # the same module and library: the race loads with it
+            from pdserve.engine.cpu_kernels.sampling_noise import exponential_race as race
+
+            _cpu = CpuSamplingOps(noise, race)
     return _cpu  # type: ignore[return-value]

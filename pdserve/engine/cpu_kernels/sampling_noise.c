@@ -13,9 +13,8 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
-#include "common.h"
+#include "common.h" /* exp2_weight */
 
 #define GOLDEN 0x9E3779B9u
 #define MUL 0x45D9F3Bu
