@@ -27,7 +27,7 @@ serve: $(STAMP)
 	$(BIN)/pdserve up
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not e2e and not slow"

@@ -67,6 +67,11 @@ class TierMetrics:
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted.")
+        self.engine_steps = counter("engine_steps", "Engine steps taken.")
+        self.engine_step_seconds = counter(
+            "engine_step_seconds", "Wall time of engine steps (schedule to bookkeeping).")
+        self.engine_forward_seconds = counter(
+            "engine_forward_seconds", "Wall time of the model forwards within engine steps.")
         self.kv_transfer_failures = counter("kv_transfer_failures", "KV transfers that failed.")
         self.kv_received_bytes = counter("kv_received_bytes",
                                          "KV payload bytes received from prefill workers.")
@@ -113,6 +118,9 @@ class TierMetrics:
         self.set_counter_to(self.prefix_queries, s.prefix_queries)
         self.set_counter_to(self.prefix_hits, s.prefix_hits)
         self.set_counter_to(self.preemptions, s.preemptions)
+        self.set_counter_to(self.engine_steps, s.steps)
+        self.set_counter_to(self.engine_step_seconds, s.step_seconds)
+        self.set_counter_to(self.engine_forward_seconds, s.forward_seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -125,14 +125,23 @@ def test_grpc_client_streams_tokens_and_reflection_lists_services(cluster, refer
 def test_metrics_add_up(cluster, oai):
     from prometheus_client.parser import text_string_to_metric_families
 
-    def scrape() -> dict:
-        with urllib.request.urlopen(cluster.gateway.http_url + "/metrics") as r:
-            text = r.read().decode()
+    def parse(pages: list[str]) -> dict:
         out: dict = {}
-        for fam in text_string_to_metric_families(text):
+        for fam in (f for text in pages for f in text_string_to_metric_families(text)):
             for s in fam.samples:
                 key = (s.name, s.labels.get("finished_reason") or s.labels.get("code"))
                 out[key] = out.get(key, 0) + s.value
+        return out
+
+    def scrape() -> dict:
+        """The gateway's /metrics, and under ("workers", name) the workers' expositions
+        summed (the workers here serve no /metrics port: their own registry's text)."""
+        with urllib.request.urlopen(cluster.gateway.http_url + "/metrics") as r:
+            out = parse([r.read().decode()])
+        for w in cluster.workers:
+            w.refresh_metrics()
+        workers = parse([w.metrics.exposition().decode() for w in cluster.workers])
+        out.update({("workers", name): v for (name, _), v in workers.items()})
         return out
 
     before = scrape()
@@ -146,6 +155,7 @@ def test_metrics_add_up(cluster, oai):
     after = scrape()
 
     def delta(name: str, label: str | None = None) -> float:
+        """(name, label) on the gateway; ("workers", name) summed over the workers."""
         return after.get((name, label), 0) - before.get((name, label), 0)
 
     assert delta("pdserve:request_success_total", "length") == n
@@ -154,6 +164,10 @@ def test_metrics_add_up(cluster, oai):
     assert delta("pdserve:generation_tokens_total") == sent_out
     assert delta("pdserve:prompt_tokens_total") == sent_prompt
     assert delta("pdserve:inter_token_latency_seconds_count") == sent_out - n
+    # every token after a request's first is its own decode step (these ran one at a time)
+    assert delta("workers", "pdserve:engine_steps_total") >= sent_out - n
+    assert 0 < delta("workers", "pdserve:engine_forward_seconds_total") \
+        <= delta("workers", "pdserve:engine_step_seconds_total")
     # prompts 0, 2, 0 are long enough to be disaggregated; "Hello" runs colocated
     assert delta("pdserve:kv_transfer_seconds_count") == 3
 

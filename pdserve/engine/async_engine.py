@@ -60,6 +60,8 @@ class EngineStats:
     preemptions: int
     tokens_per_s: float  # generated tokens/s over the recent window
     steps: int
+    step_seconds: float  # engine steps' wall time, summed (schedule to bookkeeping)
+    forward_seconds: float  # the model forwards alone within them
     # hashes of the cached prefix blocks, newest last, at most `max_prefix_hashes`
     prefix_hashes: tuple[int, ...] = ()
 
@@ -351,4 +353,6 @@ class AsyncEngine:
         return EngineStats(len(s.running), len(s.waiting), reserved, ps.free, ps.total,
                            ps.cached, eng.counters.prompt_tokens,
                            eng.counters.generation_tokens, ps.prefix_queries, ps.prefix_hits,
-                           s.num_preemptions, rate, eng.counters.steps, self._hashes)
+                           s.num_preemptions, rate, eng.counters.steps,
+                           eng.counters.step_seconds, eng.counters.forward_seconds,
+                           self._hashes)
