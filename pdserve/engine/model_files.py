@@ -244,21 +244,32 @@ def write_gguf_export(source: ModelSource) -> Path:
         return target
     config = load_config(source)
     tokenizer = load_tokenizer(source)
+
+    def fill(tmp: str) -> None:
+        config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+    publish_dir(target, fill)
+    return target
+
+
+def publish_dir(target: Path, fill: Any) -> None:
+    """Make the cache directory `target` with what fill(tmp_dir) writes: written into a
+    temp dir beside it and renamed into place, so a directory that exists is complete; of
+    two processes publishing at once, one rename wins and the other's copy is discarded."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent)
     os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
     try:
-        config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        fill(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not target.is_dir():  # not a concurrent export winning the race: a failure
+            if not target.is_dir():  # not a concurrent writer winning the race: a failure
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,12 @@
 """Loading a model's weights: `transformers` reads them (safetensors directory or GGUF); its
-modules are not kept — the weights move into `pdserve.engine.llama.LlamaModel`. Finding a
-model and reading its config and tokenizer are torch-free, in `model_files`.
+modules are not kept — the weights move into `pdserve.engine.llama.LlamaModel`. A GGUF's
+de-quantized weights are cached after its first load (`weight_cache`). Finding a model and
+reading its config and tokenizer are torch-free, in `model_files`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -17,15 +19,30 @@ __all__ = ["load_hf_weights"]
 
 
 def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[Any, dict]:
-    """(config, state_dict) in float32, read through transformers."""
+    """(config, state_dict) in float32, read through transformers (a GGUF: from the
+    weight cache after its first load)."""
+    from pdserve.engine import weight_cache
+
+    t0 = time.perf_counter()
+    where = source.directory + (f"/{source.gguf_file}" if source.gguf_file else "")
+    print(f"loading model {source.name} from {where} ...", file=sys.stderr, flush=True)
+    gguf_path = os.path.join(source.directory, source.gguf_file) if source.gguf_file else None
+    if gguf_path is not None:
+        try:
+            cached = weight_cache.load_cached(gguf_path)
+        except Exception as e:  # noqa: BLE001 - a damaged entry: read the GGUF instead
+            print(f"weight cache unreadable ({type(e).__name__}: {e}); reading the GGUF",
+                  file=sys.stderr, flush=True)
+            cached = None
+        if cached is not None:
+            print(f"model {source.name} loaded from the weight cache in "
+                  f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+            return cached
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     if not show_progress:
         hf_logging.disable_progress_bar()
-    t0 = time.perf_counter()
-    print(f"loading model {source.name} from {source.directory}"
-          f"{'/' + source.gguf_file if source.gguf_file else ''} ...", file=sys.stderr, flush=True)
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
@@ -33,4 +50,7 @@ def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[An
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
     print(f"model {source.name} loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
           flush=True)
+    if gguf_path is not None and weight_cache.store(gguf_path, hf_model.config, state):
+        print(f"its de-quantized weights are cached for the next load: "
+              f"{weight_cache.cache_key_dir(gguf_path)}", file=sys.stderr, flush=True)
     return hf_model.config, state

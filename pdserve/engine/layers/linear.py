@@ -28,19 +28,15 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def cpu_linear() -> Linear:
-    """The C GEMV for decode-sized inputs, oneDNN for the rest; raises KernelBuildError
-    when the C kernels cannot be built."""
-    from pdserve.engine.cpu_kernels.gemv import gemv_linear
-    from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
-
-    load()
-    # Each weight's blocked copy, made at its first GEMM-sized call and kept while the
-    # weight lives: the GEMV reads the plain [N, K] rows, oneDNN a layout it would
-    # otherwise re-block on every call. 1.2-2.1x on the projections at M = 16-64 (float32
-    # 75 -> 92-146 GFLOP/s at 16 rows, bfloat16 115 -> 243), 1.05-1.15x at prefill sizes
-    # (docs/benchmarks.md section 6). It doubles the projections' memory on the CPU.
-    # (keyed by id, dropped by a finalizer when the weight goes: a WeakKeyDictionary would
+def blocked_onednn_linear() -> Linear:
+    """oneDNN's matmul on a blocked copy of each weight, made at its first call and kept
+    while the weight lives (F.linear where torch lacks oneDNN). The blocked layout is what
+    oneDNN would otherwise re-block on every call: 1.2-2.1x on the projections at M = 16-64
+    (float32 75 -> 92-146 GFLOP/s at 16 rows, bfloat16 115 -> 243), 1.05-1.15x at prefill
+    sizes (docs/benchmarks.md section 6). It doubles the projections' memory on the CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return F.linear
+    # keyed by id, dropped by a finalizer when the weight goes (a WeakKeyDictionary would
     # compare two tensors with ==)
     packed: dict[int, torch.Tensor] = {}
 
@@ -52,7 +48,17 @@ def cpu_linear() -> Linear:
             weakref.finalize(weight, packed.pop, id(weight), None)
         return torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
 
-    gemm = blocked_linear if torch.backends.mkldnn.is_available() else F.linear
+    return blocked_linear
+
+
+def cpu_linear() -> Linear:
+    """The C GEMV for decode-sized inputs (the plain [N, K] rows), oneDNN on blocked weights
+    for the rest; raises KernelBuildError when the C kernels cannot be built."""
+    from pdserve.engine.cpu_kernels.gemv import gemv_linear
+    from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
+
+    load()
+    gemm = blocked_onednn_linear()
 
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in DTYPE_CODES:

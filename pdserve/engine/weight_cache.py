@@ -1,0 +1,123 @@
+"""The de-quantized weights of a GGUF, cached as float32 safetensors beside the other
+per-model caches, so that only the first load of a GGUF pays for transformers'
+de-quantization (SmolLM2-135M's Q4_1: 19-28 s on 2 cores; every worker start, every
+restart after a crash, every test that starts a real worker paid it again).
+
+    first load  -> transformers reads the GGUF; its state dict and config are written into
+                   <cache>/weights/<key>/ (model.safetensors, config.json) through
+                   `model_files.publish_dir` (a directory that exists is complete)
+    every load  -> both read back: the file is memory-mapped, ~0.2 s with the key
+
+<cache> is `cpu_kernels.build.cache_dir`. <key> hashes the whole GGUF (its weights are what
+is cached: two files with one header may differ in every weight), the format below and the
+transformers version (its de-quantization is what the file holds). Tensors that share
+storage in the state dict (tied embeddings: `lm_head.weight` is `embed_tokens.weight`) are
+stored once and aliased again on load. A cache that cannot be written is logged and skipped.
+
+`python -m pdserve.engine.weight_cache MODEL` fills the cache ahead of time (`make venv`
+does it for the default model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.engine.model_files import ModelSource, publish_dir, resolve_model
+
+log = logging.getLogger("pdserve.engine")
+
+WEIGHTS_FORMAT = 1  # bumped when what the cache holds changes
+WEIGHTS_FILE = "model.safetensors"
+_ALIASES = "pdserve_aliases"  # safetensors metadata: {alias: the key it shares storage with}
+
+
+def cache_key_dir(gguf_path: str | os.PathLike) -> Path:
+    """Where the weights of this GGUF are cached (the directory may not exist yet)."""
+    from pdserve.engine.cpu_kernels.build import cache_dir
+
+    h = hashlib.sha256(f"pdserve-weights {WEIGHTS_FORMAT} transformers "
+                       f"{importlib.metadata.version('transformers')}\0".encode())
+    with open(gguf_path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return cache_dir() / "weights" / h.hexdigest()[:32]
+
+
+def load_cached(gguf_path: str | os.PathLike) -> tuple[Any, dict[str, torch.Tensor]] | None:
+    """(config, state dict) from the cache, or None when this GGUF has no entry yet."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    target = cache_key_dir(gguf_path)
+    if not target.is_dir():
+        return None
+    path = target / WEIGHTS_FILE
+    with safe_open(str(path), framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get(_ALIASES, "{}"))
+    state = load_file(str(path))
+    for alias, key in aliases.items():
+        state[alias] = state[key]
+    return AutoConfig.from_pretrained(str(target)), state
+
+
+def store(gguf_path: str | os.PathLike, config: Any, state: dict[str, torch.Tensor]) -> bool:
+    """Write `state` and `config` as this GGUF's cache entry; False (logged) when the cache
+    cannot be written, which costs only the next load's time."""
+    from safetensors.torch import save_file
+
+    owner: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for k, v in state.items():
+        ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if ident in owner:
+            aliases[k] = owner[ident]
+        else:
+            owner[ident] = k
+            unique[k] = v.contiguous()
+
+    def fill(tmp: str) -> None:
+        save_file(unique, os.path.join(tmp, WEIGHTS_FILE),
+                  metadata={_ALIASES: json.dumps(aliases)})
+        config.save_pretrained(tmp)
+
+    try:
+        publish_dir(cache_key_dir(gguf_path), fill)
+    except OSError as e:
+        log.warning("could not cache the de-quantized weights of %s: %s", gguf_path, e)
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.engine.weight_cache",
+        description="De-quantize a GGUF model's weights once into the weight cache, so that "
+                    "every later load (a worker's start, a restart) reads them in well under "
+                    "a second. A Hugging Face directory needs no cache: nothing is done.")
+    p.add_argument("model", help="model alias, .gguf file, or directory holding a .gguf")
+    a = p.parse_args(argv)
+    from pdserve.engine.model_loader import load_hf_weights
+
+    source: ModelSource = resolve_model(a.model)
+    if not source.gguf_file:
+        print(f"{a.model}: not a GGUF model; its weights are read directly", file=sys.stderr)
+        return 0
+    load_hf_weights(source)
+    print(cache_key_dir(os.path.join(source.directory, source.gguf_file)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
