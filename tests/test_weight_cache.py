@@ -44,6 +44,8 @@ def test_round_trip_keeps_values_ties_and_config(tmp_path, cache_root):
     for k, v in state.items():
         assert torch.equal(got[k], v), k
     assert got["lm_head.weight"] is got["model.embed_tokens.weight"]
+    # in the process's own memory, each on a 64-byte line (the GEMV streams rows of them)
+    assert all(v.data_ptr() % 64 == 0 for v in got.values())
     assert got_cfg.to_dict() | {"_name_or_path": ""} == cfg.to_dict() | {"_name_or_path": ""}
     # the tied tensor is stored once
     entry = weight_cache.cache_key_dir(gguf) / weight_cache.WEIGHTS_FILE
