@@ -249,7 +249,7 @@ def test_grafana_provisioning_and_dashboard(compose):
     for needed in ("time_to_first_token_seconds", "request_time_per_output_token_seconds",
                    "generation_tokens", "num_requests_waiting", "num_requests_running",
                    "kv_cache_usage_perc", "prefix_cache_hits", "kv_transfer_bytes",
-                   "kv_transfer_seconds", "request_migrations"):
+                   "kv_transfer_seconds", "request_migrations", "engine_step_seconds"):
         assert f"pdserve:{needed}" in used, f"dashboard lacks {needed}"
     titles = " ".join(p["title"] for p in dash["panels"])
     assert "P50" in titles and "P99" in titles
