@@ -91,3 +91,18 @@ def test_real_entry_matches_the_gguf(smollm2_hf):
         assert torch.equal(cached[1][k], v), k
     assert cached[0].to_dict() | {"_name_or_path": ""} == \
         smollm2_hf.config.to_dict() | {"_name_or_path": ""}
+
+
+def test_damaged_entry_is_removed_and_written_again(tmp_path, cache_root, caplog):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF damaged later")
+    cfg, state = _state()
+    assert weight_cache.store(gguf, cfg, state)
+    entry = weight_cache.cache_key_dir(gguf)
+    (entry / weight_cache.WEIGHTS_FILE).write_bytes(b"\x08not a safetensors file")
+    with caplog.at_level("WARNING", logger="pdserve.engine"):
+        assert weight_cache.load_cached(gguf) is None
+    assert "unreadable" in caplog.text and not entry.exists()
+    assert weight_cache.store(gguf, cfg, state)  # the next load's store replaces it
+    got = weight_cache.load_cached(gguf)[1]
+    assert torch.equal(got["model.norm.weight"], state["model.norm.weight"])

@@ -28,12 +28,7 @@ def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[An
     print(f"loading model {source.name} from {where} ...", file=sys.stderr, flush=True)
     gguf_path = os.path.join(source.directory, source.gguf_file) if source.gguf_file else None
     if gguf_path is not None:
-        try:
-            cached = weight_cache.load_cached(gguf_path)
-        except Exception as e:  # noqa: BLE001 - a damaged entry: read the GGUF instead
-            print(f"weight cache unreadable ({type(e).__name__}: {e}); reading the GGUF",
-                  file=sys.stderr, flush=True)
-            cached = None
+        cached = weight_cache.load_cached(gguf_path)
         if cached is not None:
             print(f"model {source.name} loaded from the weight cache in "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)

@@ -13,7 +13,8 @@ restart after a crash, every test that starts a real worker paid it again).
 is cached: two files with one header may differ in every weight), the format below and the
 transformers version (its de-quantization is what the file holds). Tensors that share
 storage in the state dict (tied embeddings: `lm_head.weight` is `embed_tokens.weight`) are
-stored once and aliased again on load. A cache that cannot be written is logged and skipped.
+stored once and aliased again on load. A cache that cannot be written is logged and skipped;
+an entry that cannot be read is logged and removed.
 
 `python -m pdserve.engine.weight_cache MODEL` fills the cache ahead of time (`make venv`
 does it for the default model).
@@ -27,6 +28,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,14 +57,26 @@ def cache_key_dir(gguf_path: str | os.PathLike) -> Path:
 
 
 def load_cached(gguf_path: str | os.PathLike) -> tuple[Any, dict[str, torch.Tensor]] | None:
-    """(config, state dict) from the cache, or None when this GGUF has no entry yet."""
+    """(config, state dict) from the cache, or None when this GGUF has no entry yet. An
+    entry that cannot be read (damaged outside pdserve) is logged and removed, so the next
+    load reads the GGUF and writes it again."""
+    target = cache_key_dir(gguf_path)
+    if not target.is_dir():
+        return None
+    try:
+        return _read_entry(target)
+    except Exception as e:  # noqa: BLE001 - whatever broke it, the GGUF is still there
+        log.warning("weight cache entry %s unreadable (%s: %s); removing it", target,
+                    type(e).__name__, e)
+        shutil.rmtree(target, ignore_errors=True)
+        return None
+
+
+def _read_entry(target: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     from safetensors import safe_open
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    target = cache_key_dir(gguf_path)
-    if not target.is_dir():
-        return None
     path = target / WEIGHTS_FILE
     with safe_open(str(path), framework="pt") as f:
         aliases = json.loads((f.metadata() or {}).get(_ALIASES, "{}"))
