@@ -36,10 +36,10 @@ def _state() -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
 def test_round_trip_keeps_values_ties_and_config(tmp_path, cache_root):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + os.urandom(1000))
-    assert weight_cache.load_cached(gguf) is None
+    assert weight_cache.load_cached(weight_cache.cache_key_dir(gguf)) is None
     cfg, state = _state()
-    assert weight_cache.store(gguf, cfg, state)
-    got_cfg, got = weight_cache.load_cached(gguf)
+    assert weight_cache.store(weight_cache.cache_key_dir(gguf), cfg, state)
+    got_cfg, got = weight_cache.load_cached(weight_cache.cache_key_dir(gguf))
     assert set(got) == set(state)
     for k, v in state.items():
         assert torch.equal(got[k], v), k
@@ -58,9 +58,10 @@ def test_key_follows_content_not_name(tmp_path, cache_root):
     b.write_bytes(b"GGUF same bytes")
     c.write_bytes(b"GGUF other bytes")
     cfg, state = _state()
-    weight_cache.store(a, cfg, state)
-    assert weight_cache.load_cached(b) is not None  # another path, the same weights
-    assert weight_cache.load_cached(c) is None
+    weight_cache.store(weight_cache.cache_key_dir(a), cfg, state)
+    # another path, the same weights
+    assert weight_cache.load_cached(weight_cache.cache_key_dir(b)) is not None
+    assert weight_cache.load_cached(weight_cache.cache_key_dir(c)) is None
 
 
 def test_unwritable_cache_is_skipped(tmp_path, monkeypatch):
@@ -70,8 +71,8 @@ def test_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     cfg, state = _state()
-    assert weight_cache.store(gguf, cfg, state) is False
-    assert weight_cache.load_cached(gguf) is None
+    assert weight_cache.store(weight_cache.cache_key_dir(gguf), cfg, state) is False
+    assert weight_cache.load_cached(weight_cache.cache_key_dir(gguf)) is None
 
 
 @pytest.mark.slow
@@ -83,7 +84,8 @@ def test_real_entry_matches_the_gguf(smollm2_hf):
 
     src = resolve_model("smollm2-135m")
     load_hf_weights(src, show_progress=False)  # fills the cache if it is empty
-    cached = weight_cache.load_cached(os.path.join(src.directory, src.gguf_file))
+    cached = weight_cache.load_cached(
+        weight_cache.cache_key_dir(os.path.join(src.directory, src.gguf_file)))
     assert cached is not None
     ref = smollm2_hf.state_dict()
     assert set(cached[1]) == set(ref)
@@ -97,12 +99,12 @@ def test_damaged_entry_is_removed_and_written_again(tmp_path, cache_root, caplog
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF damaged later")
     cfg, state = _state()
-    assert weight_cache.store(gguf, cfg, state)
     entry = weight_cache.cache_key_dir(gguf)
+    assert weight_cache.store(entry, cfg, state)
     (entry / weight_cache.WEIGHTS_FILE).write_bytes(b"\x08not a safetensors file")
     with caplog.at_level("WARNING", logger="pdserve.engine"):
-        assert weight_cache.load_cached(gguf) is None
+        assert weight_cache.load_cached(entry) is None
     assert "unreadable" in caplog.text and not entry.exists()
-    assert weight_cache.store(gguf, cfg, state)  # the next load's store replaces it
-    got = weight_cache.load_cached(gguf)[1]
+    assert weight_cache.store(entry, cfg, state)  # the next load's store replaces it
+    got = weight_cache.load_cached(entry)[1]
     assert torch.equal(got["model.norm.weight"], state["model.norm.weight"])

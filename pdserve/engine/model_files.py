@@ -37,6 +37,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,7 +255,7 @@ def write_gguf_export(source: ModelSource) -> Path:
     return target
 
 
-def publish_dir(target: Path, fill: Any) -> None:
+def publish_dir(target: Path, fill: Callable[[str], None]) -> None:
     """Make the cache directory `target` with what fill(tmp_dir) writes: written into a
     temp dir beside it and renamed into place, so a directory that exists is complete; of
     two processes publishing at once, one rename wins and the other's copy is discarded."""

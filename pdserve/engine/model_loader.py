@@ -26,9 +26,11 @@ def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[An
     t0 = time.perf_counter()
     where = source.directory + (f"/{source.gguf_file}" if source.gguf_file else "")
     print(f"loading model {source.name} from {where} ...", file=sys.stderr, flush=True)
-    gguf_path = os.path.join(source.directory, source.gguf_file) if source.gguf_file else None
-    if gguf_path is not None:
-        cached = weight_cache.load_cached(gguf_path)
+    # the entry's key hashes the whole GGUF: computed once, for the read and the write
+    entry = (weight_cache.cache_key_dir(os.path.join(source.directory, source.gguf_file))
+             if source.gguf_file else None)
+    if entry is not None:
+        cached = weight_cache.load_cached(entry)
         if cached is not None:
             print(f"model {source.name} loaded from the weight cache in "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
@@ -45,7 +47,7 @@ def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[An
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
     print(f"model {source.name} loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
           flush=True)
-    if gguf_path is not None and weight_cache.store(gguf_path, hf_model.config, state):
-        print(f"its de-quantized weights are cached for the next load: "
-              f"{weight_cache.cache_key_dir(gguf_path)}", file=sys.stderr, flush=True)
+    if entry is not None and weight_cache.store(entry, hf_model.config, state):
+        print(f"its de-quantized weights are cached for the next load: {entry}",
+              file=sys.stderr, flush=True)
     return hf_model.config, state

@@ -56,43 +56,41 @@ def cache_key_dir(gguf_path: str | os.PathLike) -> Path:
     return cache_dir() / "weights" / h.hexdigest()[:32]
 
 
-def load_cached(gguf_path: str | os.PathLike) -> tuple[Any, dict[str, torch.Tensor]] | None:
-    """(config, state dict) from the cache, or None when this GGUF has no entry yet. An
-    entry that cannot be read (damaged outside pdserve) is logged and removed, so the next
-    load reads the GGUF and writes it again."""
-    target = cache_key_dir(gguf_path)
-    if not target.is_dir():
+def load_cached(entry: Path) -> tuple[Any, dict[str, torch.Tensor]] | None:
+    """(config, state dict) from the cache entry `entry` (`cache_key_dir`), or None when it
+    does not exist yet. An entry that cannot be read (damaged outside pdserve) is logged and
+    removed, so the next load reads the GGUF and writes it again."""
+    if not entry.is_dir():
         return None
     try:
-        return _read_entry(target)
+        return _read_entry(entry)
     except Exception as e:  # noqa: BLE001 - whatever broke it, the GGUF is still there
-        log.warning("weight cache entry %s unreadable (%s: %s); removing it", target,
+        log.warning("weight cache entry %s unreadable (%s: %s); removing it", entry,
                     type(e).__name__, e)
-        shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(entry, ignore_errors=True)
         return None
 
 
-def _read_entry(target: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+def _read_entry(entry: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     from safetensors import safe_open
-    from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    path = target / WEIGHTS_FILE
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(entry / WEIGHTS_FILE), framework="pt") as f:
         aliases = json.loads((f.metadata() or {}).get(_ALIASES, "{}"))
-    # copied out of the file's mapping: tensors in a safetensors file sit at any multiple of
-    # their element size, and a float32 weight used as loaded (no dtype conversion) then
-    # had rows off 64-byte lines (measured: the float32 burst 0.78x vLLM against 0.92-0.96x
-    # read from the GGUF); torch's allocator aligns each copy to 64 bytes
-    state = {k: v.clone() for k, v in load_file(str(path)).items()}
+        # copied out of the file's mapping: tensors in a safetensors file sit at any
+        # multiple of their element size, and a float32 weight used as loaded (no dtype
+        # conversion) then had rows off 64-byte lines (measured: the float32 burst 0.78x
+        # vLLM against 0.92-0.96x read from the GGUF); torch's allocator aligns each copy
+        # to 64 bytes
+        state = {k: f.get_tensor(k).clone() for k in f.keys()}
     for alias, key in aliases.items():
         state[alias] = state[key]
-    return AutoConfig.from_pretrained(str(target)), state
+    return AutoConfig.from_pretrained(str(entry)), state
 
 
-def store(gguf_path: str | os.PathLike, config: Any, state: dict[str, torch.Tensor]) -> bool:
-    """Write `state` and `config` as this GGUF's cache entry; False (logged) when the cache
-    cannot be written, which costs only the next load's time."""
+def store(entry: Path, config: Any, state: dict[str, torch.Tensor]) -> bool:
+    """Write `state` and `config` as the cache entry `entry` (`cache_key_dir`); False
+    (logged) when the cache cannot be written, which costs only the next load's time."""
     from safetensors.torch import save_file
 
     owner: dict[tuple[int, int, tuple[int, ...]], str] = {}
@@ -112,9 +110,9 @@ def store(gguf_path: str | os.PathLike, config: Any, state: dict[str, torch.Tens
         config.save_pretrained(tmp)
 
     try:
-        publish_dir(cache_key_dir(gguf_path), fill)
+        publish_dir(entry, fill)
     except OSError as e:
-        log.warning("could not cache the de-quantized weights of %s: %s", gguf_path, e)
+        log.warning("could not cache de-quantized weights in %s: %s", entry, e)
         return False
     return True
 
