@@ -38,6 +38,12 @@ ENGINE_FLAGS = (
           "memory (twice the blocks for --kv-cache-memory), transfer bytes and "
           "decode-attention reads; prefill and decode workers must agree",
           {"choices": ["auto", "float32", "bfloat16", "float16"]}),
+    _Flag("--quantization", "none",
+          "none (default) or int8: weight-only int8 projections and LM head, one scale per "
+          "output row. CPU only: a decode step of 1-4 sequences streams half of bfloat16's "
+          "weight bytes; larger batches and prefill compute on the de-quantized weights. "
+          "Prefill and decode workers should agree",
+          {"choices": ["none", "int8"]}),
     _Flag("--device", "cpu", "torch device (default cpu)"),
     _Flag("--kv-cache-memory", "1GiB",
           "memory for the paged KV cache, e.g. 512MiB, 2GiB (default 1GiB)"),
@@ -87,6 +93,7 @@ def engine_config_from_args(a: argparse.Namespace, **overrides) -> EngineConfig:
               block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
               max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
               enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads,
-              enforce_eager=a.enforce_eager, overlap_scheduling=a.overlap_scheduling)
+              enforce_eager=a.enforce_eager, overlap_scheduling=a.overlap_scheduling,
+              quantization=None if a.quantization == "none" else a.quantization)
     kw.update(overrides)
     return EngineConfig(**kw)

@@ -7,9 +7,12 @@ bandwidth (a sum over 1 GiB) as the bound both are measured against.
     python -m pdserve.bench.cpu_linear [--rows 1,2,4,8,12,16] [--threads N] [--rounds 5]
 
 Shapes are SmolLM2-135M's (30 layers of QKV 576->960, O 576->576, gate+up 576->3072,
-down 1536->576, and the tied 576->49152 LM head): 538 MB in float32, 269 MB in bfloat16.
-Prints ms per step and GB/s of weights for each M (rows of x); the crossover is where the
-C GEMV stops winning (pdserve.engine.layers.linear.GEMV_MAX_ROWS).
+down 1536->576, and the tied 576->49152 LM head): 538 MB in float32, 269 MB in bfloat16,
+143 MB as int8 with its scales. Prints ms per step and GB/s of weights for each M (rows of
+x); the crossover is where the C GEMV stops winning
+(pdserve.engine.layers.linear.GEMV_MAX_ROWS). The int8 rows time the int8 GEMV
+(`pdserve::gemv_linear_int8`, bfloat16 x) against oneDNN on the de-quantized bfloat16
+weights, what `--quantization int8` runs at those sizes.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import time
 
 import torch
 
-from pdserve.engine.cpu_kernels.gemv import gemv_linear
+from pdserve.engine.cpu_kernels.gemv import gemv_linear, gemv_linear_int8
+from pdserve.engine.layers.int8 import quantize_int8
 from pdserve.engine.layers.linear import blocked_onednn_linear
 
 LAYERS = 30
@@ -55,25 +59,34 @@ def main() -> None:
           f"{'speedup':>7}")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for dtype in (torch.float32, torch.bfloat16):
-            weights = [torch.randn(o, i, generator=gen).to(dtype)
-                       for _ in range(LAYERS) for i, o in SHAPES]
-            weights.append(torch.randn(LM_HEAD[1], LM_HEAD[0], generator=gen).to(dtype))
+        for kind in ("float32", "bfloat16", "int8"):
+            dtype = torch.float32 if kind == "float32" else torch.bfloat16
+            full = [torch.randn(o, i, generator=gen) for _ in range(LAYERS) for i, o in SHAPES]
+            full.append(torch.randn(LM_HEAD[1], LM_HEAD[0], generator=gen))
+            weights = [w.to(dtype) for w in full]
             nbytes = sum(w.numel() * w.element_size() for w in weights)
+            gemv = gemv_linear
+            if kind == "int8":  # oneDNN on the de-quantized bfloat16, the GEMV on int8
+                quantized = {id(w): quantize_int8(f) for w, f in zip(weights, full)}
+                nbytes = sum(q.nbytes for q in quantized.values())
+
+                def gemv(x, w, quantized=quantized):
+                    qw = quantized[id(w)]
+                    return gemv_linear_int8(x, qw.q, qw.scale)
+            del full
             for m in rows:
                 xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (576, 1536)}
                 times = {}
-                for name, fn in (("onednn", blocked_onednn_linear()), ("gemv", gemv_linear)):
+                for name, fn in (("onednn", blocked_onednn_linear()), ("gemv", gemv)):
                     def step(fn=fn, weights=weights, xs=xs):
                         for w in weights:
                             fn(xs[w.shape[1]], w)
                     step()
                     times[name] = min(_seconds(step) for _ in range(a.rounds))
                 o, g = times["onednn"], times["gemv"]
-                print(f"{str(dtype).removeprefix('torch.'):>8} {m:>3} | {o * 1e3:>9.2f} "
+                print(f"{kind:>8} {m:>3} | {o * 1e3:>9.2f} "
                       f"{nbytes / o / 1e9:>5.1f} | {g * 1e3:>7.2f} {nbytes / g / 1e9:>5.1f} | "
                       f"{o / g:>6.2f}x", flush=True)
-
 
 if __name__ == "__main__":
     main()

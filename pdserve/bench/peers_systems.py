@@ -37,6 +37,7 @@ class System:
     name: str
     kind: str  # "pdserve" | "vllm" | "llamacpp"
     dtype: str  # pdserve/vLLM --dtype, or the llama.cpp GGUF type
+    args: tuple[str, ...] = ()  # more flags for its server (pdserve: `pdserve up`'s)
 
     def __post_init__(self) -> None:
         assert self.kind in ("pdserve", "vllm", "llamacpp"), self.kind
@@ -50,6 +51,7 @@ class System:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("pdserve-fp32", "pdserve", "float32"),
     System("pdserve-bf16", "pdserve", "bfloat16"),
+    System("pdserve-bf16-int8", "pdserve", "bfloat16", ("--quantization", "int8")),
     System("vllm-fp32", "vllm", "float32"),
     System("vllm-bf16", "vllm", "bfloat16"),
     System("llamacpp-f16", "llamacpp", "f16"),
@@ -115,7 +117,7 @@ def launch(system: System, paths: PeerPaths, port: int,
     if system.kind == "pdserve":
         # the default layout for this machine's cores, as `pdserve up` chooses it
         argv = (sys.executable, "-m", "pdserve.cli", "up", "--http-port", str(port),
-                "--grpc-port", "0", "--dtype", system.dtype, *pdserve_args)
+                "--grpc-port", "0", "--dtype", system.dtype, *system.args, *pdserve_args)
         return Launch(argv, {}, str(REPO_ROOT), base)
     if system.kind == "vllm":
         # `python -m vllm...api_server`: the `vllm` script fails, the package metadata being

@@ -60,7 +60,11 @@ class Row:
 
 def weight_bytes(model) -> int:
     """Bytes of the weights one decode step reads in full: every layer's linears and the
-    output projection (the embedding is read one row per token, the norms are tiny)."""
+    output projection (the embedding is read one row per token, the norms are tiny); their
+    int8 copies where the model is quantized."""
+    if model.lm_head_int8 is not None:
+        return model.lm_head_int8.nbytes + sum(q.nbytes for lw in model.layers
+                                               for q in lw.int8.values())
     n = model.lm_head.numel() * model.lm_head.element_size()
     for lw in model.layers:
         for t in (lw.qkv, lw.o, lw.gate_up, lw.down):
@@ -121,7 +125,8 @@ def run(a: argparse.Namespace) -> list[Row]:
     from pdserve.engine.llm_engine import LLMEngine
 
     layout = _layout(a)
-    engine_args = ("--dtype", a.dtype, "--kv-cache-memory", a.kv_cache_memory)
+    engine_args = ("--dtype", a.dtype, "--kv-cache-memory", a.kv_cache_memory,
+                   "--quantization", a.quantization)
     cluster = LocalCluster(ClusterConfig(
         model=a.model, num_prefill=layout.num_prefill, num_decode=layout.num_decode,
         http_port=0, grpc_port=0, cpus="auto", engine_args=engine_args))
@@ -135,6 +140,8 @@ def run(a: argparse.Namespace) -> list[Row]:
         cores = set(decode.cpus or own)
         engine = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype,
                                         kv_cache_memory=a.kv_cache_memory,
+                                        quantization=None if a.quantization == "none"
+                                        else a.quantization,
                                         num_threads=len(cores), show_progress=False))
         print(f"engine in-process: {torch.get_num_threads()} thread(s) on cores "
               f"{sorted(cores)}; dtype {engine.config.dtype}", file=sys.stderr)
@@ -173,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"])
     p.add_argument("--layout", default="auto", choices=["auto", "colocated", "disaggregated"],
                    help="auto: what `pdserve up` picks on this machine")
     p.add_argument("--streams", default="1,64",

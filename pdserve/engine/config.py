@@ -70,6 +70,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched op by op)
     # schedule step N+1 while N runs (pdserve.engine.overlap): auto | on | off
     overlap_scheduling: str = "auto"
+    # None, or "int8": weight-only int8 projections and LM head (pdserve.engine.layers.int8),
+    # read by the CPU's batch-1..4 decode stack; CPU only
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -88,6 +91,11 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         parse_bytes(self.kv_cache_memory)
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or none, got {self.quantization!r}")
+        if self.quantization and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization} runs on the CPU only (its "
+                             f"kernels are the CPU decode stack's), not on {self.device}")
         if self.overlap_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"overlap_scheduling must be auto, on or off, got "
                              f"{self.overlap_scheduling!r}")

@@ -9,13 +9,14 @@ activation, projections) come from pdserve.engine.layers.registry, per device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.layers.int8 import Int8Weight, quantize_int8
 from pdserve.engine.layers.registry import layer_ops
 
 
@@ -55,6 +56,13 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 I, H]
     down: torch.Tensor  # [H, I]
+    # quantization "int8": the four projections as int8 (the tensors above then hold their
+    # de-quantized values, for the paths that do not read int8)
+    int8: dict[str, Int8Weight] = field(default_factory=dict)
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+QUANTIZATIONS = ("int8",)
 
 
 LayerHook = Callable[[int], None]
@@ -64,10 +72,15 @@ class LlamaModel:
     """Weights + forward. Not an nn.Module: nothing here is trained."""
 
     def __init__(self, dims: LlamaDims, state: dict[str, torch.Tensor], hf_config: Any,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 quantization: str | None = None) -> None:
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got "
+                             f"{quantization!r}")
         self.dims = dims
         self.dtype = dtype
         self.device = device
+        self.quantization = quantization
 
         def w(name: str) -> torch.Tensor:
             return state[name].to(device=device, dtype=dtype).contiguous()
@@ -79,17 +92,35 @@ class LlamaModel:
         self.layers: list[LayerWeights] = []
         for i in range(dims.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
-            gate_up = torch.cat([state[p + "mlp.gate_proj.weight"],
-                                 state[p + "mlp.up_proj.weight"]], dim=0)
+            # the projections as loaded (float32 from the loader): quantized from these, not
+            # from their model-dtype copies
+            full = {
+                "qkv": torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                "o": state[p + "self_attn.o_proj.weight"],
+                "gate_up": torch.cat([state[p + "mlp.gate_proj.weight"],
+                                      state[p + "mlp.up_proj.weight"]]),
+                "down": state[p + "mlp.down_proj.weight"],
+            }
+            int8 = ({n: quantize_int8(t) for n, t in full.items()}
+                    if quantization == "int8" else {})
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=qkv.to(device=device, dtype=dtype).contiguous(),
-                o=w(p + "self_attn.o_proj.weight"),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=gate_up.to(device=device, dtype=dtype).contiguous(),
-                down=w(p + "mlp.down_proj.weight"),
+                int8=int8,
+                **{n: (int8[n].dequantize(dtype) if int8 else t.to(dtype)).to(
+                    device).contiguous() for n, t in full.items()},
             ))
+        # quantization "int8": the LM head's int8 copy, read by the decode stack's logits.
+        # The model-dtype head is its de-quantized value, so every path computes with the
+        # same weights; a tied embedding is the head and is de-quantized with it.
+        self.lm_head_int8: Int8Weight | None = None
+        if quantization == "int8":
+            tied = self.lm_head is self.embed
+            head = state["model.embed_tokens.weight" if tied else "lm_head.weight"]
+            self.lm_head_int8 = quantize_int8(head)
+            self.lm_head = self.lm_head_int8.dequantize(dtype).to(device)
+            if tied:
+                self.embed = self.lm_head
         self._init_rope(hf_config)
         # the per-device ops (C on the CPU, Triton on CUDA, else eager torch)
         self.ops = layer_ops(device)
@@ -125,8 +156,12 @@ class LlamaModel:
         stack = self._stack_for(t, kv_cache, meta, backend, layer_hook)
         if stack is not None:
             h = stack.run(self.embed[input_ids], positions, meta.slot_mapping,
-                          meta.seq_lens, meta.block_tables)
-            return self.ops.linear(h[logits_indices], self.lm_head).float()
+                          meta.seq_lens, meta.block_tables)[logits_indices]
+            if self.lm_head_int8 is not None:
+                from pdserve.engine.cpu_kernels.gemv import gemv_linear_int8
+
+                return gemv_linear_int8(h, self.lm_head_int8.q, self.lm_head_int8.scale).float()
+            return self.ops.linear(h, self.lm_head).float()
         q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         scale = d.head_dim ** -0.5
         ops, eps = self.ops, d.rms_norm_eps

@@ -100,7 +100,7 @@ class LLMEngine:
         self.dims = LlamaDims.from_hf_config(hf_config)
         device = torch.device(config.device)
         self.model = LlamaModel(self.dims, state, hf_config, dtype_from_name(config.dtype),
-                                device)
+                                device, quantization=config.quantization)
         del state
         d = self.dims
         num_blocks = config.num_kv_blocks or KVCacheSpec.blocks_for_budget(

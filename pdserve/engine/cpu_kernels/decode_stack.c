@@ -2,7 +2,9 @@
  * step: per layer QKV projection, RoPE, the K/V store, paged attention, O projection,
  * residual add + RMSNorm, gate/up projection, SiLU * up, down projection, residual add +
  * the next norm — the same kernels the model's Python loop calls one by one (gemv.c,
- * layer_ops.c, paged_decode.c), in the same order, so the result is the same bit for bit.
+ * layer_ops.c, paged_decode.c), in the same order, so the result is the same bit for bit
+ * (with int8 projections: the same up to the model dtype's rounding of the de-quantized
+ * weights the loop reads).
  *
  * Why: at batch 1 the weights stream in ~20 ms, while calling ~10 kernels a layer from
  * Python costs ~15 ms more (dispatch, checks, a parallel region each; measured on a 30-layer
@@ -66,9 +68,9 @@ static void barrier_wait(struct spin_barrier *b)
 }
 
 /* the kernels this file strings together (same library) */
-void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, int dt);
-void gv_part(const float *xf, const void *w, void *y, int64_t y_stride, int64_t M, int64_t N,
-             int64_t K, int dt, int t, int nt);
+void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, int dt, int q8);
+void gv_part(const float *xf, const void *w, const float *scales, void *y, int64_t y_stride,
+             int64_t M, int64_t N, int64_t K, int dt, int t, int nt);
 void lo_add_rms_norm(void *x, int64_t x_stride, const void *delta, const void *weight,
                      void *out, int64_t T, int H, float eps, int dt, int num_threads);
 int64_t lo_rope(void *qk, int64_t row_stride, const int64_t *positions, const void *cos_t,
@@ -102,13 +104,15 @@ static void store_row(void *dst, const void *src, int64_t n, int dt, int kv_dt)
         d[i] = f32_to_bf16(s[i]);
 }
 
-/* weights: 6 pointers per layer (input_norm, qkv, o, post_norm, gate_up, down); cache:
+/* weights: 6 pointers per layer (input_norm, qkv, o, post_norm, gate_up, down); scales:
+ * NULL, or 6 per layer likewise where the projections are int8 (a float32 scale per output
+ * row; the norms' entries unused), the activations then staying float32 for them; cache:
  * the [L, 2, num_blocks, block_size, Hkv, D] KV cache; x [M, H] the residual stream (the
  * embeddings in, updated in place); out [M, H] the final norm of the last residual.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
  * failed; -4 a slot outside the cache (nothing written). */
 int ds_decode_layers(const struct ds_model *m, const void *const *weights,
-                     const void *final_norm, void *cache, void *x, void *out,
+                     const float *const *scales, const void *final_norm, void *cache, void *x, void *out,
                      const int64_t *positions, const int64_t *slots, const int32_t *lens,
                      const int32_t *tables, int64_t bt_stride, const void *cos_t,
                      const void *sin_t, int64_t num_slots, int64_t M, int num_threads)
@@ -117,6 +121,8 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
         if (slots[b] < 0 || slots[b] >= num_slots)
             return -4;
     const int dt = m->dt;
+    const int q8 = scales != NULL;
+    static const float *const no_scales[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     const size_t es = dt == DT_F32 ? 4 : 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
     const int64_t H = m->H, QD = m->Hq * m->D, KVD = m->Hkv * m->D, I = m->I;
     const int64_t QKV = QD + 2 * KVD;
@@ -147,12 +153,13 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
         /* thread 0 runs the one-thread steps; the barrier after each publishes them */
         for (int64_t l = 0; l < m->L; l++) {
             const void *const *w = weights + 6 * l;
+            const float *const *sc = scales ? scales + 6 * l : no_scales;
             char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
             char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
             if (t == 0)
-                gv_widen(h, H, xf, M, H, dt);
+                gv_widen(h, H, xf, M, H, dt, q8);
             barrier_wait(&bar);
-            gv_part(xf, w[1], qkv, QKV, M, QKV, H, dt, t, nt);
+            gv_part(xf, w[1], sc[1], qkv, QKV, M, QKV, H, dt, t, nt);
             barrier_wait(&bar);
             if (t == 0) {
                 if (lo_rope(qkv, QKV, positions, cos_t, sin_t, m->max_position, M,
@@ -169,26 +176,26 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
                                      (int)M, (int)m->Hq, (int)m->Hkv, (int)m->D,
                                      (int)m->block_size, m->scale, dt, m->kv_dt, 1))
                     rc = -3;
-                gv_widen(attn, QD, xf, M, QD, dt);
+                gv_widen(attn, QD, xf, M, QD, dt, q8);
             }
             barrier_wait(&bar);
             if (rc) /* set before the barrier by thread 0: every thread leaves here */
                 break;
-            gv_part(xf, w[2], y, H, M, H, QD, dt, t, nt);
+            gv_part(xf, w[2], sc[2], y, H, M, H, QD, dt, t, nt);
             barrier_wait(&bar);
             if (t == 0) {
                 lo_add_rms_norm(x, H, y, w[3], h, M, (int)H, m->eps, dt, 1);
-                gv_widen(h, H, xf, M, H, dt);
+                gv_widen(h, H, xf, M, H, dt, q8);
             }
             barrier_wait(&bar);
-            gv_part(xf, w[4], gu, 2 * I, M, 2 * I, H, dt, t, nt);
+            gv_part(xf, w[4], sc[4], gu, 2 * I, M, 2 * I, H, dt, t, nt);
             barrier_wait(&bar);
             if (t == 0) {
                 lo_silu_mul(gu, act, M, (int)I, dt, 1);
-                gv_widen(act, I, xf, M, I, dt);
+                gv_widen(act, I, xf, M, I, dt, q8);
             }
             barrier_wait(&bar);
-            gv_part(xf, w[5], y, H, M, H, I, dt, t, nt);
+            gv_part(xf, w[5], sc[5], y, H, M, H, I, dt, t, nt);
             barrier_wait(&bar);
             if (t == 0)
                 lo_add_rms_norm(x, H, y, l + 1 < m->L ? weights[6 * (l + 1)] : final_norm, h,

@@ -1,6 +1,6 @@
 """The Python side of decode_stack.c: `CpuDecodeStack`, every decoder layer of a CPU decode
 step in one C call (the model's layer loop, kernel for kernel, without a Python dispatch
-per kernel).
+per kernel; over the int8 projections where the model is quantized).
 
 Life cycle: built once per (model, KV cache) by the model, which checks there every
 weight's shape, dtype and layout and the cache's; `run` then checks only what changes per
@@ -17,6 +17,7 @@ import torch
 
 from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
 from pdserve.engine.cpu_kernels.paged_decode import MAX_HEAD_DIM, check_tables
+from pdserve.engine.layers.int8 import num_groups
 
 
 class DsModel(ctypes.Structure):
@@ -59,15 +60,28 @@ class CpuDecodeStack:
                        d.intermediate_size)
         want = {"input_norm": (h,), "qkv": (q + 2 * kv, h), "o": (h, q), "post_norm": (h,),
                 "gate_up": (2 * i, h), "down": (h, i)}
-        pointers = []
+        # int8 projections (model.quantization "int8"): the stack reads those and their scales
+        int8 = model.quantization == "int8"
+        pointers, scales = [], []
         for n, layer in enumerate(model.layers):
             for name, wshape in want.items():
-                t = getattr(layer, name)
-                if (t.device.type != "cpu" or t.dtype != dt or tuple(t.shape) != wshape
+                t, s = getattr(layer, name), None
+                if int8 and name in layer.int8:
+                    t, s = layer.int8[name].q, layer.int8[name].scale
+                elif int8 and len(wshape) == 2:
+                    raise ValueError(f"layer {n} {name} has no int8 weight")
+                wdt = torch.int8 if s is not None else dt
+                if (t.device.type != "cpu" or t.dtype != wdt or tuple(t.shape) != wshape
                         or not t.is_contiguous()):
-                    raise ValueError(f"layer {n} {name} must be a contiguous {dt} {wshape}, "
+                    raise ValueError(f"layer {n} {name} must be a contiguous {wdt} {wshape}, "
                                      f"got {t.dtype} {tuple(t.shape)}")
+                sshape = (wshape[0], num_groups(wshape[-1]))
+                if s is not None and (s.dtype != torch.float32 or tuple(s.shape) != sshape
+                                      or not s.is_contiguous() or s.device.type != "cpu"):
+                    raise ValueError(f"layer {n} {name}'s scale must be a contiguous float32 "
+                                     f"{sshape}")
                 pointers.append(t.data_ptr())
+                scales.append(None if s is None else s.data_ptr())
         for name, t in (("final_norm", model.final_norm), ("cos", model.cos),
                         ("sin", model.sin)):
             if t.dtype != dt or not t.is_contiguous():
@@ -77,6 +91,7 @@ class CpuDecodeStack:
         self._lib = load()
         # model and kv_data are held (their memory is what the pointers below point into)
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._scales = (ctypes.c_void_p * len(scales))(*scales) if int8 else None
         self._kv = kv_data
         self._model = model
         self._num_slots = kv_data.shape[2] * kv_data.shape[3]
@@ -112,7 +127,7 @@ class CpuDecodeStack:
         check_tables(seq_lens, block_tables, self._kv[0, 0])
         out = torch.empty_like(x)
         rc = self._lib.ds_decode_layers(
-            ctypes.byref(self._dims), self._weights, m.final_norm.data_ptr(),
+            ctypes.byref(self._dims), self._weights, self._scales, m.final_norm.data_ptr(),
             self._kv.data_ptr(), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), m.cos.data_ptr(), m.sin.data_ptr(), self._num_slots, t,
