@@ -64,12 +64,12 @@ for dtype in (torch.float32, torch.bfloat16):
                                    atol=1e-4 if dtype == torch.float32 else 1e-2,
                                    rtol=1e-5 if dtype == torch.float32 else 2 ** -7)
 from pdserve.engine.cpu_kernels.gemv import gemv_linear_int8
-from pdserve.engine.layers.int8 import quantize_int8
+from pdserve.engine.layers.int8 import int8_linear_reference, quantize_int8
 for dtype in (torch.float32, torch.bfloat16):
     for m, k, n in ((1, 576, 300), (5, 100, 33)):  # 100: a partial group of scales
         xs, qw = torch.randn(m, k).to(dtype), quantize_int8(torch.randn(n, k))
-        torch.testing.assert_close(gemv_linear_int8(xs, qw.q, qw.scale).float(),
-                                   xs.float() @ qw.dequantize(torch.float32).T,
+        torch.testing.assert_close(gemv_linear_int8(xs, qw.q, qw.scale).double(),
+                                   int8_linear_reference(xs, qw),
                                    atol=1e-4 if dtype == torch.float32 else 1e-2,
                                    rtol=1e-5 if dtype == torch.float32 else 2 ** -7)
 from pdserve.engine.cpu_kernels.sampling_noise import exponential_noise, exponential_race

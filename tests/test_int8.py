@@ -18,7 +18,14 @@ import pdserve.engine.llama as llama
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
 from pdserve.engine.cpu_kernels.gemv import gemv_linear_int8
-from pdserve.engine.layers.int8 import GROUP, QMAX, num_groups, quantize_int8
+from pdserve.engine.layers.int8 import (
+    GROUP,
+    QMAX,
+    int8_linear_reference,
+    num_groups,
+    quantize_activations,
+    quantize_int8,
+)
 from pdserve.engine_args import add_engine_args, engine_argv, engine_config_from_args
 from pdserve.protocol import SamplingParams
 from tests.conftest import tiny_engine
@@ -50,17 +57,33 @@ def test_quantize_refuses_what_is_not_a_float_matrix():
         quantize_int8(torch.ones(4, 4, dtype=torch.int32))
 
 
+def test_activations_are_quantized_per_group():
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(2)) * 4
+    x[1, 64:] = 0.0  # an all-zero group: scale 1, q 0
+    xq, sx = quantize_activations(x)
+    assert xq.shape == (3, 2 * GROUP) and sx.shape == (3, 2) and not xq[:, 100:].any()
+    assert not xq[1, 64:].any() and float(sx[1, 1]) == 1.0
+    err = (xq[:, :100].float() * sx.repeat_interleave(GROUP, dim=1)[:, :100] - x).abs()
+    assert (err <= sx.repeat_interleave(GROUP, dim=1)[:, :100] / 2 * (1 + 1e-5)).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 9])  # 9: past a pass of 8 rows of x
-@pytest.mark.parametrize("k,n", [(576, 960), (1536, 64), (100, 33), (17, 5), (3, 70000)])
-def test_gemv_int8_matches_the_dequantized_weight(dtype, m, k, n):
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 64), (100, 33), (17, 5), (3, 7000)])
+def test_gemv_int8_matches_the_reference(dtype, m, k, n):
+    """The kernel against its arithmetic in float64 (int8_linear_reference); and that
+    arithmetic stays within int8's error of the de-quantized weight times x."""
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=gen).to(dtype)
     qw = quantize_int8(torch.randn(n, k, generator=gen))
     got = gemv_linear_int8(x, qw.q, qw.scale)
     assert got.shape == (m, n) and got.dtype == dtype and got.is_contiguous()
-    want = x.double() @ qw.dequantize(torch.float64).T
+    want = int8_linear_reference(x, qw)
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    full = x.double() @ qw.dequantize(torch.float64).T
+    # x's rounding: half a step (amax / 254) per element, against |w| <= amax(w)
+    bound = (x.double().abs().max() / 254) * qw.dequantize(torch.float64).abs().sum(dim=1)
+    assert ((want - full).abs() <= bound[None, :] + 1e-9).all()
 
 
 def test_gemv_int8_threads_and_strides():
@@ -164,15 +187,16 @@ def test_int8_decode_stack_reads_the_int8_weights(tiny_model_dir, dtype):
 
 
 def test_int8_stack_gives_the_layer_loops_tokens(tiny_model_dir, monkeypatch):
-    """float32: the loop reads the de-quantized weights exactly, the stack the int8 ones and
-    their scales; the two differ only in summation order."""
+    """float32: for a few rows the loop and the stack both run the int8 kernels (the loop
+    through the model's int8 linear); they differ only in summation order. A prefill or a
+    batch past GEMV_MAX_ROWS computes on the de-quantized weights."""
     engine = tiny_engine(tiny_model_dir, quantization="int8")
     ids = [engine.tokenizer.encode(p) for p in ("The capital of France is", "def fib(n):")]
     real = llama.LlamaModel._stack_for
-    heads = []
-    real_head = gemv.gemv_linear_int8
+    rows = []
+    real_kernel = gemv.gemv_linear_int8
     monkeypatch.setattr(gemv, "gemv_linear_int8",
-                        lambda h, q, s: heads.append(q.shape) or real_head(h, q, s))
+                        lambda x, q, s: rows.append((x.shape[0], q.shape)) or real_kernel(x, q, s))
     outs = {}
     for use_stack in (False, True):
         used = []
@@ -183,13 +207,19 @@ def test_int8_stack_gives_the_layer_loops_tokens(tiny_model_dir, monkeypatch):
             return stack
 
         monkeypatch.setattr(llama.LlamaModel, "_stack_for", spy)
+        rows.clear()
         res = engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True,
                                                   temperature=0.0))
         outs[use_stack] = [o.token_ids for o in res]
         assert any(used) == use_stack
+        head = engine.model.lm_head_int8.q.shape
+        # the stack: only its logits come through the op; the loop: every projection too
+        assert rows and all(m == 2 for m, _ in rows)
+        assert {s for _, s in rows} == ({head} if use_stack else
+                                        {head} | {lw.int8[n].q.shape
+                                                  for lw in engine.model.layers
+                                                  for n in llama.PROJECTIONS})
     assert outs[True] == outs[False]
-    # the stack's logits came from the int8 LM head
-    assert heads and all(s == engine.model.lm_head_int8.q.shape for s in heads)
 
 
 def test_quantization_flag_and_config():

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
-from pdserve.engine.layers.int8 import Int8Weight, quantize_int8
+from pdserve.engine.layers.int8 import Int8Weight, int8_linear, quantize_int8
 from pdserve.engine.layers.registry import layer_ops
 
 
@@ -124,6 +124,13 @@ class LlamaModel:
         self._init_rope(hf_config)
         # the per-device ops (C on the CPU, Triton on CUDA, else eager torch)
         self.ops = layer_ops(device)
+        # x @ W^T: the ops' linear, or the int8 GEMV for a few rows of an int8 model (the
+        # decode stack's arithmetic, so a step's rows get the same logits either way)
+        self.linear = self.ops.linear
+        if self.lm_head_int8 is not None and self.ops.name == "cpu":
+            by_id = {id(getattr(lw, n)): lw.int8[n] for lw in self.layers for n in PROJECTIONS}
+            by_id[id(self.lm_head)] = self.lm_head_int8
+            self.linear = int8_linear(self.ops.linear, by_id)
         self._decode_stack: tuple[PagedKVCache, Any] | None = None
 
     def _init_rope(self, hf_config: Any) -> None:
@@ -156,16 +163,12 @@ class LlamaModel:
         stack = self._stack_for(t, kv_cache, meta, backend, layer_hook)
         if stack is not None:
             h = stack.run(self.embed[input_ids], positions, meta.slot_mapping,
-                          meta.seq_lens, meta.block_tables)[logits_indices]
-            if self.lm_head_int8 is not None:
-                from pdserve.engine.cpu_kernels.gemv import gemv_linear_int8
-
-                return gemv_linear_int8(h, self.lm_head_int8.q, self.lm_head_int8.scale).float()
-            return self.ops.linear(h, self.lm_head).float()
+                          meta.seq_lens, meta.block_tables)
+            return self.linear(h[logits_indices], self.lm_head).float()
         q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         scale = d.head_dim ** -0.5
         ops, eps = self.ops, d.rms_norm_eps
-        linear = ops.linear
+        linear = self.linear
         rope = ops.rope_tables(positions, self.cos, self.sin)
         x = self.embed[input_ids]  # [T, H], the residual stream, updated in place
         h = ops.add_rms_norm(x, None, self.layers[0].input_norm, eps)

@@ -69,6 +69,7 @@ static void barrier_wait(struct spin_barrier *b)
 
 /* the kernels this file strings together (same library) */
 void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, int dt, int q8);
+size_t gv_xbuf_bytes(int64_t M, int64_t K, int q8);
 void gv_part(const float *xf, const void *w, const float *scales, void *y, int64_t y_stride,
              int64_t M, int64_t N, int64_t K, int dt, int t, int nt);
 void lo_add_rms_norm(void *x, int64_t x_stride, const void *delta, const void *weight,
@@ -128,7 +129,13 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     const int64_t QKV = QD + 2 * KVD;
     const int64_t widest = H > QD ? (H > I ? H : I) : (QD > I ? QD : I);
     char *scratch = malloc((size_t)M * (size_t)(H + QKV + QD + 2 * I + I + H) * es);
-    float *xf = malloc((size_t)(M * widest) * sizeof(float));
+    /* x prepared for the projections: float32 rows, or quantized for int8 weights */
+    size_t xf_bytes = gv_xbuf_bytes(M, widest, 0);
+    for (int i = 0; i < 3 && q8; i++) {
+        const size_t n = gv_xbuf_bytes(M, i == 0 ? H : i == 1 ? QD : I, 1);
+        xf_bytes = n > xf_bytes ? n : xf_bytes;
+    }
+    float *xf = malloc(xf_bytes);
     if (!scratch || !xf) {
         free(scratch);
         free(xf);

@@ -12,13 +12,13 @@
  * Accumulation is in float32; a bfloat16 result is rounded once. bfloat16 weights are
  * widened in registers (a shift), never in memory.
  *
- * Weight-only int8 (where a `scales` pointer is given): int8 weights with a float32 scale
- * per Q8_GROUP of a row, scales [N, ceil(K / Q8_GROUP)]. 0.53x the bytes of bfloat16 to
- * stream, so a batch-1 step that waits on memory takes about half the time; x is float32
- * and each 16 weights are widened and scaled in registers before the FMA.
+ * int8 weights (where a `scales` pointer is given): int8 with a float32 scale per Q8_GROUP
+ * of a row, scales [N, ceil(K / Q8_GROUP)], 0.53x the bytes of bfloat16 to stream; x is
+ * quantized per group too and the products summed in int32 (the section "int8 weights").
  *
  * dtype codes and bf16 conversions: common.h.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -149,69 +149,6 @@ static void dot_bf16(const void *w, const void *x, int64_t K, int nb, float *out
 }
 #endif
 
-/* int8 x float32 over groups of Q8_GROUP weights, each with its own scale: a group's 64
- * weights are sign-extended, converted and multiplied by its scale in registers (the
- * multiply is shared by every row of x), then FMAed; U accumulators per row of x take the
- * group's four vectors in turn, as above. */
-#define DEFINE_DOT_Q8(NB, U)                                                                  \
-    static void dot_q8_##NB(const int8_t *w, const float *sc, const float *x, int64_t K,     \
-                            float *out)                                                       \
-    {                                                                                         \
-        __m512 acc[NB][U];                                                                    \
-        for (int b = 0; b < NB; b++)                                                          \
-            for (int u = 0; u < U; u++)                                                       \
-                acc[b][u] = _mm512_setzero_ps();                                              \
-        int64_t k = 0;                                                                        \
-        for (; k + Q8_GROUP <= K; k += Q8_GROUP, sc++) {                                      \
-            const __m512 s = _mm512_set1_ps(*sc);                                             \
-            for (int u = 0; u < Q8_GROUP / 16; u++) {                                         \
-                const __m512 wv = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(   \
-                    _mm_loadu_si128((const __m128i *)(w + k + 16 * u)))));                    \
-                for (int b = 0; b < NB; b++)                                                  \
-                    acc[b][u % U] = _mm512_fmadd_ps(                                          \
-                        wv, _mm512_loadu_ps(x + b * K + k + 16 * u), acc[b][u % U]);          \
-            }                                                                                 \
-        }                                                                                     \
-        const __m512 s = _mm512_set1_ps(k < K ? *sc : 0.f); /* the last, partial group */    \
-        for (; k < K; k += 16) {                                                              \
-            const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff                               \
-                                            : (__mmask16)((1u << (K - k)) - 1);               \
-            const __m512 wv = _mm512_mul_ps(s, _mm512_cvtepi32_ps(                            \
-                _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, w + k))));                       \
-            for (int b = 0; b < NB; b++)                                                      \
-                acc[b][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + b * K + k),      \
-                                            acc[b][0]);                                       \
-        }                                                                                     \
-        for (int b = 0; b < NB; b++) {                                                        \
-            for (int u = 1; u < U; u++)                                                       \
-                acc[b][0] = _mm512_add_ps(acc[b][0], acc[b][u]);                              \
-            out[b] = _mm512_reduce_add_ps(acc[b][0]);                                         \
-        }                                                                                     \
-    }
-DEFINE_DOT_Q8(1, 4)
-DEFINE_DOT_Q8(2, 2)
-DEFINE_DOT_Q8(3, 1)
-DEFINE_DOT_Q8(4, 1)
-DEFINE_DOT_Q8(5, 1)
-DEFINE_DOT_Q8(6, 1)
-DEFINE_DOT_Q8(7, 1)
-DEFINE_DOT_Q8(8, 1)
-
-static void dot_q8(const int8_t *w, const float *sc, const float *x, int64_t K, int nb,
-                   float out[XB])
-{
-    switch (nb) {
-    case 1: dot_q8_1(w, sc, x, K, out); break;
-    case 2: dot_q8_2(w, sc, x, K, out); break;
-    case 3: dot_q8_3(w, sc, x, K, out); break;
-    case 4: dot_q8_4(w, sc, x, K, out); break;
-    case 5: dot_q8_5(w, sc, x, K, out); break;
-    case 6: dot_q8_6(w, sc, x, K, out); break;
-    case 7: dot_q8_7(w, sc, x, K, out); break;
-    default: dot_q8_8(w, sc, x, K, out); break;
-    }
-}
-
 static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, float out[XB])
 {
 #ifdef X_BF16
@@ -256,34 +193,171 @@ static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, fl
 }
 #endif
 
-#ifndef __AVX512F__
-static void dot_q8(const int8_t *w, const float *sc, const float *x, int64_t K, int nb,
-                   float out[XB])
+/* ---- int8 weights ----
+ * W [N, K] as int8 q with a float32 scale sw per Q8_GROUP of a row; x quantized the same
+ * way per step (gv_widen with q8): per row of x and group, xq = round(x * 127 / amax) and
+ * sx = amax / 127. Then y[b, n] = sum over groups of sx * sw * (xq . q), the dot products
+ * exact in int32. Where the CPU has AVX512-VNNI, vpdpbusd takes 64 of them an instruction
+ * (unsigned x signed bytes: the weights are offset by 128 in registers, and each group's
+ * accumulator starts at -128 * sum(xq) to take the offset back out); the float path of the
+ * first version (widen 16 weights, scale, FMA) ran at 6-13 G weights/s on one core, short
+ * of what memory delivers; this one 22 (docs/benchmarks.md section 6, session 11). */
+
+static inline int64_t q8_groups(int64_t K)
+{
+    return (K + Q8_GROUP - 1) / Q8_GROUP;
+}
+
+/* gv_widen's q8 layout of x [M, K] in one buffer: init [M][G][16] int32 (lane 0 of each:
+ * -128 * sum of the group's xq), xq [M][G * Q8_GROUP] int8 (zero past K), sx [M][G]. */
+struct q8x {
+    int32_t *init;
+    int8_t *xq;
+    float *sx;
+    int64_t G;
+};
+
+static struct q8x q8x_in(void *buf, int64_t M, int64_t K)
+{
+    const int64_t G = q8_groups(K);
+    struct q8x v = {buf, NULL, NULL, G};
+    v.xq = (int8_t *)(v.init + M * G * 16);
+    v.sx = (float *)(v.xq + M * G * Q8_GROUP);
+    return v;
+}
+
+/* Bytes of gv_widen's buffer for x [M, K]. */
+size_t gv_xbuf_bytes(int64_t M, int64_t K, int q8)
+{
+    if (!q8)
+        return (size_t)(M * K) * sizeof(float);
+    return (size_t)(M * q8_groups(K)) * (16 * sizeof(int32_t) + Q8_GROUP + sizeof(float));
+}
+
+/* One group of one row: n values of s (dtype dt) quantized into q (Q8_GROUP bytes, zero
+ * past n); returns the scale, *sum the sum of q. 127 / amax is divided in double, so the
+ * torch reference (pdserve.engine.layers.int8) gets the same quotient whatever the
+ * compiler does to float division here. */
+static float quantize_group(const void *s, int64_t n, int dt, int8_t *q, int32_t *sum)
+{
+    float v[Q8_GROUP], amax = 0.f;
+    for (int64_t i = 0; i < n; i++) {
+        v[i] = dt == DT_F32 ? ((const float *)s)[i] : bf16_to_f32(((const uint16_t *)s)[i]);
+        const float a = v[i] < 0 ? -v[i] : v[i];
+        amax = a > amax ? a : amax;
+    }
+    memset(q, 0, Q8_GROUP);
+    *sum = 0;
+    if (amax == 0.f)
+        return 1.f;
+    const float inv = (float)(127.0 / (double)amax);
+    int32_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float r = nearbyintf(v[i] * inv); /* half to even, as torch.round */
+        r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+        q[i] = (int8_t)r;
+        total += q[i];
+    }
+    *sum = total;
+    return amax / 127.f;
+}
+
+static void q8_prepare(const void *x, int64_t x_stride, void *buf, int64_t M, int64_t K, int dt)
+{
+    const struct q8x v = q8x_in(buf, M, K);
+    const size_t es = dt == DT_F32 ? 4 : 2;
+    for (int64_t b = 0; b < M; b++)
+        for (int64_t g = 0; g < v.G; g++) {
+            const int64_t k0 = g * Q8_GROUP, n = K - k0 < Q8_GROUP ? K - k0 : Q8_GROUP;
+            const int64_t r = b * v.G + g;
+            int32_t sum;
+            v.sx[r] = quantize_group((const char *)x + (size_t)(b * x_stride + k0) * es, n, dt,
+                                     v.xq + r * Q8_GROUP, &sum);
+            memset(v.init + r * 16, 0, 16 * sizeof(int32_t));
+            v.init[r * 16] = -128 * sum;
+        }
+}
+
+#ifdef __AVX512VNNI__
+#define DEFINE_DOT_Q8(NB)                                                                     \
+    static void dot_q8_##NB(const int8_t *w, const float *sw, const struct q8x *v,           \
+                            int64_t b0, int64_t K, float *out)                                \
+    {                                                                                         \
+        const __m512i flip = _mm512_set1_epi8((char)0x80);                                    \
+        const int64_t full = K / Q8_GROUP;                                                    \
+        __m512 acc[NB];                                                                       \
+        for (int b = 0; b < NB; b++)                                                          \
+            acc[b] = _mm512_setzero_ps();                                                     \
+        for (int64_t g = 0; g < v->G; g++) {                                                  \
+            __m512i wv = g < full ? _mm512_loadu_si512(w + g * Q8_GROUP)                      \
+                                  : _mm512_maskz_loadu_epi8(                                  \
+                                        (__mmask64)((1ull << (K - g * Q8_GROUP)) - 1),        \
+                                        w + g * Q8_GROUP);                                    \
+            wv = _mm512_xor_si512(wv, flip);                                                  \
+            for (int b = 0; b < NB; b++) {                                                    \
+                const int64_t r = (b0 + b) * v->G + g;                                        \
+                const __m512i d = _mm512_dpbusd_epi32(                                        \
+                    _mm512_loadu_si512(v->init + r * 16), wv,                                 \
+                    _mm512_loadu_si512(v->xq + r * Q8_GROUP));                                \
+                acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),                               \
+                                         _mm512_set1_ps(sw[g] * v->sx[r]), acc[b]);           \
+            }                                                                                 \
+        }                                                                                     \
+        for (int b = 0; b < NB; b++)                                                          \
+            out[b] = _mm512_reduce_add_ps(acc[b]);                                            \
+    }
+DEFINE_DOT_Q8(1)
+DEFINE_DOT_Q8(2)
+DEFINE_DOT_Q8(3)
+DEFINE_DOT_Q8(4)
+DEFINE_DOT_Q8(5)
+DEFINE_DOT_Q8(6)
+DEFINE_DOT_Q8(7)
+DEFINE_DOT_Q8(8)
+
+static void dot_q8(const int8_t *w, const float *sw, const struct q8x *v, int64_t b0, int nb,
+                   int64_t K, float out[XB])
+{
+    switch (nb) {
+    case 1: dot_q8_1(w, sw, v, b0, K, out); break;
+    case 2: dot_q8_2(w, sw, v, b0, K, out); break;
+    case 3: dot_q8_3(w, sw, v, b0, K, out); break;
+    case 4: dot_q8_4(w, sw, v, b0, K, out); break;
+    case 5: dot_q8_5(w, sw, v, b0, K, out); break;
+    case 6: dot_q8_6(w, sw, v, b0, K, out); break;
+    case 7: dot_q8_7(w, sw, v, b0, K, out); break;
+    default: dot_q8_8(w, sw, v, b0, K, out); break;
+    }
+}
+#else
+static void dot_q8(const int8_t *w, const float *sw, const struct q8x *v, int64_t b0, int nb,
+                   int64_t K, float out[XB])
 {
     for (int b = 0; b < nb; b++) {
         float s = 0.f;
-        for (int64_t k0 = 0; k0 < K; k0 += Q8_GROUP) {
-            const int64_t k1 = k0 + Q8_GROUP < K ? k0 + Q8_GROUP : K;
-            const float g = sc[k0 / Q8_GROUP];
-#pragma omp simd reduction(+ : s)
-            for (int64_t k = k0; k < k1; k++)
-                s += g * (float)w[k] * x[b * K + k];
+        for (int64_t g = 0; g < v->G; g++) {
+            const int64_t k0 = g * Q8_GROUP, n = K - k0 < Q8_GROUP ? K - k0 : Q8_GROUP;
+            const int64_t r = (b0 + b) * v->G + g;
+            const int8_t *xq = v->xq + r * Q8_GROUP;
+            int32_t d = 0;
+#pragma omp simd reduction(+ : d)
+            for (int64_t i = 0; i < n; i++)
+                d += (int32_t)xq[i] * (int32_t)w[k0 + i];
+            s += (float)d * (sw[g] * v->sx[r]);
         }
         out[b] = s;
     }
 }
 #endif
 
-/* Element `at` of the prepared x (gv_widen): float32, or bfloat16 where X_BF16 and the
- * weights are bfloat16 (not int8: those dot products take float32). */
-static inline const float *x_rows(const float *xf, int64_t at, int dt, int q8)
+/* Element `at` of the prepared x (gv_widen): float32, or bfloat16 where X_BF16. */
+static inline const float *x_rows(const float *xf, int64_t at, int dt)
 {
 #ifdef X_BF16
-    if (dt == DT_BF16 && !q8)
+    if (dt == DT_BF16)
         return (const float *)((const uint16_t *)xf + at);
 #endif
     (void)dt;
-    (void)q8;
     return xf + at;
 }
 
@@ -296,16 +370,16 @@ static void rows(const float *xf, const void *w, const float *scales, void *y,
                  int64_t y_stride, int64_t M, int64_t n0, int64_t n1, int64_t K, int dt)
 {
     const size_t row_bytes = (size_t)K * (scales ? 1 : dt == DT_F32 ? 4 : 2);
+    const struct q8x q8x = q8x_in((void *)xf, M, K); /* used where scales is given */
     for (int64_t n = n0; n < n1; n++) {
         const void *wr = (const char *)w + (size_t)n * row_bytes;
         for (int64_t b0 = 0; b0 < M; b0 += XB) {
             const int nb = M - b0 < XB ? (int)(M - b0) : XB;
             float out[XB];
             if (scales) {
-                dot_q8(wr, scales + n * ((K + Q8_GROUP - 1) / Q8_GROUP),
-                       x_rows(xf, b0 * K, dt, 1), K, nb, out);
+                dot_q8(wr, scales + n * q8x.G, &q8x, b0, nb, K, out);
             } else {
-                dot_row(wr, x_rows(xf, b0 * K, dt, 0), K, nb, dt, out);
+                dot_row(wr, x_rows(xf, b0 * K, dt), K, nb, dt, out);
             }
             for (int b = 0; b < nb; b++) {
                 const int64_t at = (b0 + b) * y_stride + n;
@@ -318,14 +392,18 @@ static void rows(const float *xf, const void *w, const float *scales, void *y,
     }
 }
 
-/* x [M, K] (row stride x_stride, dtype dt) packed into xf [M, K]: widened to float32, or
- * kept in bfloat16 where the bf16 dot products take it (X_BF16, weights not int8: q8 0). */
+/* x [M, K] (row stride x_stride, dtype dt) prepared in xf (gv_xbuf_bytes(M, K, q8)) for
+ * the dot products: widened to float32, kept in bfloat16 where the bf16 dot products take
+ * it (X_BF16), or quantized for int8 weights (q8: struct q8x). */
 void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, int dt, int q8)
 {
-    (void)q8;
+    if (q8) {
+        q8_prepare(x, x_stride, xf, M, K, dt);
+        return;
+    }
     for (int64_t b = 0; b < M; b++) {
 #ifdef X_BF16
-        if (dt == DT_BF16 && !q8) {
+        if (dt == DT_BF16) {
             memcpy((uint16_t *)xf + b * K, (const uint16_t *)x + b * x_stride,
                    (size_t)K * sizeof(uint16_t));
             continue;
@@ -360,7 +438,7 @@ void gv_part(const float *xf, const void *w, const float *scales, void *y, int64
 int gv_linear(const void *x, int64_t x_stride, const void *w, const float *scales, void *y,
               int64_t y_stride, int64_t M, int64_t N, int64_t K, int dt, int num_threads)
 {
-    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    float *xf = malloc(gv_xbuf_bytes(M, K, scales != NULL));
     if (!xf)
         return -1;
     gv_widen(x, x_stride, xf, M, K, dt, scales != NULL);

@@ -1,20 +1,21 @@
-"""Weight-only int8: a projection's weight as int8 with a float32 scale for each GROUP
-consecutive weights of a row (symmetric, round to nearest; llama.cpp's Q8_0 groups by 32).
-What it buys is bytes: a batch-1 decode step on the CPU streams every weight once and
-waits on memory, so 0.53x of bfloat16's bytes is about half its time
-(pdserve::gemv_linear_int8, the decode stack). Larger batches run oneDNN on the
-de-quantized weights, so every path computes with the same weights up to the model dtype's
-rounding.
+"""int8 projections: a weight as int8 with a float32 scale for each GROUP consecutive
+weights of a row (symmetric, round to nearest), and the few rows of x a decode step
+multiplies it by quantized the same way, so the dot products are exact int32 sums
+(llama.cpp's Q8_0 x Q8_0 does this with groups of 32). What it buys is bytes: a batch-1
+decode step on the CPU streams every weight once and waits on memory, and int8 with its
+scales is 0.53x bfloat16's bytes. `int8_linear_reference` is the arithmetic the C kernels
+(pdserve::gemv_linear_int8, the decode stack) implement, in torch. Batches past a few rows
+run oneDNN on the de-quantized weights with unquantized x.
 
-Why groups of 64 and not one scale per row (`python -m pdserve.bench.int8_quality`,
-SmolLM2-135M over 2,048 tokens of this repository's prose): perplexity 25.057 in float32,
-25.058 in bfloat16, 25.097 with a scale per 64 weights, 25.183 with one per row; the
-next-token choice agrees with float32's at 97.3 % of positions in bfloat16, 97.7 % with a
-scale per 64, 95.6 % with one per row. The scales add 6 % to int8's bytes.
+Quality (`python -m pdserve.bench.int8_quality`, SmolLM2-135M over 2,048 tokens of this
+repository's prose; docs/benchmarks.md section 6, session 11): perplexity 25.06 in
+float32 and bfloat16; int8 weights alone 25.09-25.10 with a scale per 64, 25.18 with one
+per row; int8 weights and x, both per 64, 25.31. The scales add 6 % to int8's bytes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,35 @@ class Int8Weight:
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the int8 kernels quantize it: (xq int8 [M, G * GROUP], zero past K;
+    sx float32 [M, G]) with, per group, xq = round(x * (127 / amax)) (the quotient divided
+    in float64, then float32, as gemv.c does) and sx = amax / 127 (1 for an all-zero
+    group)."""
+    m, k = x.shape
+    g = num_groups(k)
+    padded = torch.zeros(m, g * GROUP, dtype=torch.float32)
+    padded[:, :k] = x.float()
+    groups = padded.view(m, g, GROUP)
+    amax = groups.abs().amax(dim=2)
+    inv = torch.where(amax > 0, QMAX / amax.double(), torch.zeros_like(amax.double())).float()
+    xq = torch.round(groups * inv[:, :, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    sx = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    return xq.view(m, g * GROUP), sx
+
+
+def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """x [M, K] @ W^T as the int8 kernels compute it, in float64: the sum over groups of
+    sx * sw * (xq . q), each group's dot product exact."""
+    n, k = w.q.shape
+    g = num_groups(k)
+    xq, sx = quantize_activations(x)
+    q = torch.zeros(n, g * GROUP, dtype=torch.float64)
+    q[:, :k] = w.q.double()
+    dots = torch.einsum("mgk,ngk->mng", xq.double().view(-1, g, GROUP), q.view(n, g, GROUP))
+    return (dots * sx.double()[:, None, :] * w.scale.double()[None, :, :]).sum(dim=2)
+
+
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     """w [N, K] (any float dtype) as int8 and a float32 scale per GROUP of each row; an
     all-zero group gets scale 1 (its q is all zero either way)."""
@@ -58,3 +88,22 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
     q = torch.round(groups / scale[:, :, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return Int8Weight(q=q.view(n, g * GROUP)[:, :k].contiguous(), scale=scale.contiguous())
+
+
+def int8_linear(base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                weights: dict[int, Int8Weight]) -> Callable[[torch.Tensor, torch.Tensor],
+                                                            torch.Tensor]:
+    """`base` (the CPU ops' linear) for a model with int8 weights: x @ W^T through
+    pdserve::gemv_linear_int8 where W is one of `weights` (keyed by the id of the
+    de-quantized tensor the model holds) and x has at most GEMV_MAX_ROWS rows, as the decode
+    stack computes it; `base` on the de-quantized tensor otherwise."""
+    from pdserve.engine.cpu_kernels import gemv
+    from pdserve.engine.layers.linear import GEMV_MAX_ROWS
+
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        qw = weights.get(id(weight))
+        if qw is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            return gemv.gemv_linear_int8(x, qw.q, qw.scale)
+        return base(x, weight)
+
+    return linear
