@@ -1,15 +1,17 @@
 """What `--quantization int8` costs in quality: perplexity over a text and how often the
-next-token choice agrees with float32, for the model in float32, bfloat16, int8 as
-pdserve.engine.layers.int8 makes it (a scale per 64 weights of a row), and int8 with one
-scale per row (the simpler scheme it was chosen over).
+next-token choice agrees with float32's, for the model in float32, bfloat16, int8 weights
+as pdserve.engine.layers.int8 makes them (a scale per 64 weights of a row; what a batch
+past a few rows computes with), the same with x quantized per 64 at every projection (what
+the int8 kernels of a decode step of a few rows compute), and int8 weights with one scale
+per row (the simpler scheme not taken).
 
     python -m pdserve.bench.int8_quality [--model smollm2-135m] [--text FILE ...]
                                          [--max-tokens 2048]
 
-Teacher-forced through transformers' Llama on the weights each scheme leaves (the engine's
-int8 kernels compute with exactly those weights: tests/test_int8.py), so what differs
-between rows is the weights alone. Default text: the repository's README and
-docs/architecture.md (English prose).
+Teacher-forced through transformers' Llama on the weights each scheme leaves, x quantized
+by a hook before every linear where the row says so (the arithmetic of
+`int8_linear_reference`, which tests/test_int8.py holds the kernels to). Default text: the
+repository's README and docs/architecture.md (English prose).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.layers.int8 import quantize_int8
+from pdserve.engine.layers.int8 import GROUP, quantize_int8
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TEXTS = (REPO_ROOT / "README.md", REPO_ROOT / "docs" / "architecture.md")
@@ -44,6 +46,17 @@ def quantized_state(state: dict[str, torch.Tensor], scheme: str) -> dict[str, to
                  else per_row_int8(w.float()))
         out[name] = w
     return out
+
+
+def fake_quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] rounded as the int8 kernels round it: per GROUP, to amax / 127 steps."""
+    k = x.shape[-1]
+    pad = -k % GROUP
+    xp = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, GROUP))
+    amax = xp.abs().amax(dim=-1, keepdim=True)
+    step = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    out = torch.round(xp / step).clamp(-127, 127) * step
+    return out.flatten(-2)[..., :k].to(x.dtype)
 
 
 def evaluate(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -75,14 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.model}: {ids.shape[1]} tokens of {', '.join(a.text)}")
     print(f"{'weights':<24} {'perplexity':>10} {'top-1 = float32':>16}")
     reference = None
-    for label, scheme, dtype in (("float32", None, torch.float32),
-                                 ("bfloat16", None, torch.bfloat16),
-                                 ("int8, a scale per 64", "int8", torch.float32),
-                                 ("int8, a scale per row", "row", torch.float32)):
+    for label, scheme, dtype, quantize_x in (
+            ("float32", None, torch.float32, False),
+            ("bfloat16", None, torch.bfloat16, False),
+            ("int8 weights", "int8", torch.float32, False),
+            ("int8 weights and x", "int8", torch.float32, True),
+            ("int8 per row, weights", "row", torch.float32, False)):
         weights = quantized_state(state, scheme) if scheme else state
         model.load_state_dict(weights, strict=False)
         model.tie_weights()
+        hooks = [m.register_forward_pre_hook(lambda _, args: (fake_quantized_x(args[0]),))
+                 for m in model.modules() if isinstance(m, torch.nn.Linear) and quantize_x]
         ppl, top = evaluate(model.to(dtype), ids)
+        for h in hooks:
+            h.remove()
         model.float()
         reference = top if reference is None else reference
         print(f"{label:<24} {ppl:>10.3f} {float((top == reference).float().mean()):>16.4f}",
