@@ -55,11 +55,14 @@ has_cuda_torch() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_avail
 has_module() { "$1" -c "import $2" >/dev/null 2>&1; }
 
 py=""
+torch_version=""  # known without another torch import once a dry run's probe has read it
 candidates=("${PYTHON:-}" python3 .venv/bin/python)
 for c in "${candidates[@]}"; do
     [[ -n "$c" ]] && command -v "$c" >/dev/null 2>&1 || continue
     if (( dry_run )); then
-        has_module "$c" torch && has_module "$c" triton && { py="$c"; break; }
+        # one process for both imports and the version (each torch import costs seconds)
+        torch_version=$("$c" -c 'import torch, triton; print(torch.__version__)' 2>/dev/null) \
+            && { py="$c"; break; }
     elif has_cuda_torch "$c"; then
         py="$c"; break
     fi
@@ -100,5 +103,6 @@ if (( ! dry_run )); then
     export TRITON_INTERPRET=0
 fi
 
-echo "gpu_check: using $py ($("$py" -c 'import torch; print(torch.__version__)' 2>&1))" >&2
+[[ -n "$torch_version" ]] || torch_version=$("$py" -c 'import torch; print(torch.__version__)' 2>&1)
+echo "gpu_check: using $py ($torch_version)" >&2
 exec "$py" scripts/gpu_check.py "$@"

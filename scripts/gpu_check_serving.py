@@ -59,12 +59,13 @@ def shaped_model(dry_run: bool, with_tokenizer: bool) -> str:
     """A random-weight model directory of SmolLM2-135M's shape (tiny on a dry run)."""
     import shutil
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     name = "tiny-random-llama" if dry_run else "smollm2-135m-shaped"
     path = Path(tempfile.gettempdir()) / name
     if not (path / "config.json").exists():
+        # imported only to make the model: transformers' Llama costs ~5 s to import
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**(TINY_SHAPE if dry_run else SMOLLM2_SHAPE),
                                      bos_token_id=1, eos_token_id=2)).save_pretrained(path)
@@ -250,7 +251,7 @@ def _run_cluster(name: str, model: str, flags: list[str], workloads: list[tuple[
                 _get(f"http://127.0.0.1:{http}/health", 2.0)
                 break
             except OSError:
-                time.sleep(1.0)
+                time.sleep(0.2)
         else:
             raise TimeoutError("not healthy after 150 s")
         result["healthy_after_s"] = round(time.time() - t0, 1)

@@ -3,6 +3,7 @@ SmolLM2-135M, each loaded once per session."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -49,8 +50,6 @@ def make_tiny_model(path: str, vocab_size: int = 49152, num_kv_heads: int = 2) -
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pdserve.engine.model_files import load_tokenizer, resolve_model
-
     torch.manual_seed(TINY_SEED)
     cfg = LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,10 +62,32 @@ def make_tiny_model(path: str, vocab_size: int = 49152, num_kv_heads: int = 2) -
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
-    tok = load_tokenizer(resolve_model("smollm2-135m"))
+    tok = load_smollm2_tokenizer()
     if tok is not None:
         tok.save_pretrained(path)
     return path
+
+
+@functools.cache
+def load_smollm2_tokenizer():
+    """SmolLM2-135M's tokenizer, loaded once per process from the GGUF's export (plain
+    Hugging Face files, made at install or by a child process on first use): what the
+    gateway loads, held to the GGUF's own tokenizer token for token by test_gateway_gguf
+    and saving byte-identical files, without parsing the GGUF (seconds) again and again."""
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.model_files import gguf_export, load_tokenizer, resolve_model
+
+    source = resolve_model("smollm2-135m")
+    if not source.gguf_file:
+        return load_tokenizer(source)
+    return AutoTokenizer.from_pretrained(str(gguf_export(source)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """load_smollm2_tokenizer()'s tokenizer, shared: tests must not modify it."""
+    return load_smollm2_tokenizer()
 
 
 @pytest.fixture(scope="session")

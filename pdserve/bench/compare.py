@@ -36,6 +36,7 @@ import random
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -202,9 +203,22 @@ def run_configuration(s: Settings, cfg: Configuration,
     try:
         cluster.start()
         endpoints = cluster.wait_healthy(s.startup_timeout_s)
+        finish_stops()  # the previous configuration is gone before this one measures
         return asyncio.run(_measure(s, cfg, endpoints, runs, warmup))
     finally:
-        cluster.stop()
+        # its workers drain and exit (seconds) while the next configuration starts up
+        stop = threading.Thread(target=cluster.stop, name=f"stop {cfg.label}")
+        stop.start()
+        _STOPPING.append(stop)
+
+
+_STOPPING: list[threading.Thread] = []  # clusters being stopped in the background
+
+
+def finish_stops() -> None:
+    """Wait until every cluster run_configuration left stopping has stopped."""
+    while _STOPPING:
+        _STOPPING.pop().join()
 
 
 async def _measure(s: Settings, cfg: Configuration, endpoints: Any,
@@ -607,29 +621,39 @@ def run(s: Settings, only: Sequence[str], out_dir: Path) -> dict[str, Any]:
     if {"disagg", "prefix", "elastic"} & set(only):
         tokenizer = load_tokenizer(resolve_model(s.model))
     machine = f"{platform.node()} ({len(os.sched_getaffinity(0))} cores usable)"
-    for name in COMPARISONS:
-        if name not in only:
-            continue
-        log(f"--- {name}")
-        t0 = time.monotonic()
-        if name == "disagg":
-            result = compare_disagg(s, tokenizer, out_dir)
-        elif name == "prefix":
-            result = compare_prefix(s, tokenizer, out_dir)
-        elif name == "elastic":
+    try:
+        for name in COMPARISONS:
+            if name in only:
+                _run_one(s, name, tokenizer, out_dir, machine, merged, results_path)
+    finally:
+        finish_stops()  # no cluster outlives the run
+    log(f"wrote {results_path} and {out_dir / 'results.md'}")
+    return merged
+
+
+def _run_one(s: Settings, name: str, tokenizer: Tokenizer | None, out_dir: Path, machine: str,
+             merged: dict[str, Any], results_path: Path) -> None:
+    """One comparison, merged into `merged` and written out."""
+    log(f"--- {name}")
+    t0 = time.monotonic()
+    if name == "disagg":
+        result = compare_disagg(s, tokenizer, out_dir)
+    elif name == "prefix":
+        result = compare_prefix(s, tokenizer, out_dir)
+    else:
+        finish_stops()  # these measure from their first second: nothing else may be running
+        if name == "elastic":
             result = compare_elastic(s, tokenizer, out_dir)
         else:
             result = compare_offline(s, out_dir)
-        result.update(command=s.command, model=s.model, quick=s.quick, machine=machine,
-                      elapsed_s=time.monotonic() - t0, seed=s.seed,
-                      finished_at=time.strftime("%Y-%m-%d %H:%M:%S"))
-        merged[name] = result
-        results_path.write_text(json.dumps({"comparisons": merged}, indent=1))
-        (out_dir / "results.md").write_text(results_md(merged))
-        for t in result["targets"]:
-            log(f"{name}: {t['metric']} = {_f(t['measured'], 2)} ({t['target']}): {t['result']}")
-    log(f"wrote {results_path} and {out_dir / 'results.md'}")
-    return merged
+    result.update(command=s.command, model=s.model, quick=s.quick, machine=machine,
+                  elapsed_s=time.monotonic() - t0, seed=s.seed,
+                  finished_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+    merged[name] = result
+    results_path.write_text(json.dumps({"comparisons": merged}, indent=1))
+    (out_dir / "results.md").write_text(results_md(merged))
+    for t in result["targets"]:
+        log(f"{name}: {t['metric']} = {_f(t['measured'], 2)} ({t['target']}): {t['result']}")
 
 
 def _only(text: str) -> list[str]:
