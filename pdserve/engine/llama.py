@@ -68,6 +68,26 @@ QUANTIZATIONS = ("int8",)
 LayerHook = Callable[[int], None]
 
 
+def rope_parameters(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, attention scaling) of the model's RoPE, as
+    transformers' LlamaRotaryEmbedding computes them: the plain formula for the default
+    type, transformers' own functions for the scaled ones (llama3, yarn, ...). Not through
+    the class: importing transformers' Llama modeling code cost ~2 s at every worker
+    start."""
+    params = getattr(hf_config, "rope_parameters", None) or {
+        "rope_type": (getattr(hf_config, "rope_scaling", None) or {}).get("rope_type",
+                                                                         "default"),
+        "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    if params.get("rope_type", "default") == "default":
+        base = params["rope_theta"]
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv.float(), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config)
+    return inv.float(), float(scaling)
+
+
 class LlamaModel:
     """Weights + forward. Not an nn.Module: nothing here is trained."""
 
@@ -134,15 +154,10 @@ class LlamaModel:
         self._decode_stack: tuple[PagedKVCache, Any] | None = None
 
     def _init_rope(self, hf_config: Any) -> None:
-        # The model's own RoPE parameters (theta, scaling type) as transformers computes them.
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        rope = LlamaRotaryEmbedding(hf_config)
-        inv_freq = rope.inv_freq.float()
+        inv_freq, scaling = rope_parameters(hf_config, self.dims.head_dim)
         pos = torch.arange(self.dims.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        scaling = float(rope.attention_scaling)
         # [max_position, D] each
         self.cos = (emb.cos() * scaling).to(device=self.device, dtype=self.dtype)
         self.sin = (emb.sin() * scaling).to(device=self.device, dtype=self.dtype)

@@ -1,6 +1,7 @@
-"""Loading a model's weights: `transformers` reads them (safetensors directory or GGUF); its
-modules are not kept — the weights move into `pdserve.engine.llama.LlamaModel`. A GGUF's
-de-quantized weights are cached after its first load (`weight_cache`). Finding a model and
+"""Loading a model's weights: a Hugging Face directory's safetensors are read directly,
+anything else (a GGUF, a .bin checkpoint) through `transformers`, whose modules are not
+kept — the weights move into `pdserve.engine.llama.LlamaModel`. A GGUF's de-quantized
+weights are cached after its first load (`weight_cache`). Finding a model and
 reading its config and tokenizer are torch-free, in `model_files`.
 """
 
@@ -35,6 +36,12 @@ def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[An
             print(f"model {source.name} loaded from the weight cache in "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
             return cached
+    if entry is None:
+        direct = _read_safetensors_dir(source.directory)
+        if direct is not None:
+            print(f"model {source.name} loaded in {time.perf_counter() - t0:.1f}s",
+                  file=sys.stderr, flush=True)
+            return direct
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -51,3 +58,26 @@ def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[An
         print(f"its de-quantized weights are cached for the next load: {entry}",
               file=sys.stderr, flush=True)
     return hf_model.config, state
+
+
+def _read_safetensors_dir(directory: str) -> tuple[Any, dict] | None:
+    """(config, float32 state dict) read straight from a Hugging Face directory's
+    safetensors files, or None where it has none (a .bin checkpoint: transformers reads
+    it). Skips building transformers' model, whose modeling code alone took ~2 s to import
+    at every worker start. Each tensor is copied out of the file's mapping (a float32
+    tensor there may sit off a 64-byte line; torch's allocator aligns the copy)."""
+    from pathlib import Path
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                state[key] = t.float() if t.dtype != torch.float32 else t.clone()
+    return AutoConfig.from_pretrained(directory), state
