@@ -37,6 +37,18 @@
 #define Q8_GROUP 64 /* int8 weights per scale along K (pdserve.engine.layers.int8.GROUP) */
 
 #ifdef __AVX512F__
+/* The weights PREFETCH_AHEAD bytes past p, into L1: a row ends every 0.6-3 KiB and the
+ * next starts where it ended, but the hardware prefetcher alone kept the stream short of
+ * what memory gives (a batch-1 pass over SmolLM2-135M's weights in a C harness, two
+ * threads, alternated: int8 8.8-10 -> 5.4-6.2 ms, bfloat16 13.3-14.8 -> 8.9-11.4 ms,
+ * docs/benchmarks.md section 6, session 11). Past the end of w it touches nothing (a
+ * prefetch does not fault). */
+#define PREFETCH_AHEAD 4096
+static inline void prefetch_w(const char *p)
+{
+    _mm_prefetch(p + PREFETCH_AHEAD, _MM_HINT_T0);
+}
+
 /* 16 weights from row w at k (masked), widened to float32. */
 INLINE __m512 load_w(const void *w, int64_t k, __mmask16 m, int dt)
 {
@@ -65,6 +77,7 @@ INLINE __m512 load_w(const void *w, int64_t k, __mmask16 m, int dt)
         for (; k + 16 * U <= K; k += 16 * U)                                                  \
             for (int u = 0; u < U; u++) {                                                     \
                 const __m512 wv = load_w(w, k + 16 * u, (__mmask16)0xffff, dt);               \
+                prefetch_w((const char *)w + (k + 16 * u) * (dt == DT_F32 ? 4 : 2));          \
                 for (int b = 0; b < NB; b++)                                                  \
                     acc[b][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + b * K + k + 16 * u),  \
                                                 acc[b][u]);                                   \
@@ -107,6 +120,7 @@ DEFINE_DOT(8, 1)
         for (; k + 32 * U <= K; k += 32 * U)                                                  \
             for (int u = 0; u < U; u++) {                                                     \
                 const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);             \
+                prefetch_w((const char *)(w + k + 32 * u));                                   \
                 for (int b = 0; b < NB; b++)                                                  \
                     acc[b][u] = _mm512_dpbf16_ps(                                             \
                         acc[b][u], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k + 32 * u)); \
@@ -294,6 +308,7 @@ static void q8_prepare(const void *x, int64_t x_stride, void *buf, int64_t M, in
                                         (__mmask64)((1ull << (K - g * Q8_GROUP)) - 1),        \
                                         w + g * Q8_GROUP);                                    \
             wv = _mm512_xor_si512(wv, flip);                                                  \
+            prefetch_w((const char *)(w + g * Q8_GROUP));                                     \
             for (int b = 0; b < NB; b++) {                                                    \
                 const int64_t r = (b0 + b) * v->G + g;                                        \
                 const __m512i d = _mm512_dpbusd_epi32(                                        \
