@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import QUANTIZATIONS, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ ENGINE_FLAGS = (
           "output row. CPU only: a decode step of 1-4 sequences streams half of bfloat16's "
           "weight bytes; larger batches and prefill compute on the de-quantized weights. "
           "Prefill and decode workers should agree",
-          {"choices": ["none", "int8"]}),
+          {"choices": ["none", *QUANTIZATIONS]}),
     _Flag("--device", "cpu", "torch device (default cpu)"),
     _Flag("--kv-cache-memory", "1GiB",
           "memory for the paged KV cache, e.g. 512MiB, 2GiB (default 1GiB)"),

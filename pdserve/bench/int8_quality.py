@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.layers.int8 import GROUP, quantize_int8
+from pdserve.engine.layers.int8 import GROUP, quantize_activations, quantize_int8
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TEXTS = (REPO_ROOT / "README.md", REPO_ROOT / "docs" / "architecture.md")
@@ -49,14 +49,12 @@ def quantized_state(state: dict[str, torch.Tensor], scheme: str) -> dict[str, to
 
 
 def fake_quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] rounded as the int8 kernels round it: per GROUP, to amax / 127 steps."""
+    """x [..., K] rounded as the int8 kernels round it (`quantize_activations`), back in
+    x's dtype."""
     k = x.shape[-1]
-    pad = -k % GROUP
-    xp = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, GROUP))
-    amax = xp.abs().amax(dim=-1, keepdim=True)
-    step = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    out = torch.round(xp / step).clamp(-127, 127) * step
-    return out.flatten(-2)[..., :k].to(x.dtype)
+    xq, sx = quantize_activations(x.reshape(-1, k))
+    rounded = (xq.float().unflatten(1, (-1, GROUP)) * sx[:, :, None]).flatten(1)[:, :k]
+    return rounded.reshape(x.shape).to(x.dtype)
 
 
 def evaluate(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:

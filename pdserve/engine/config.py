@@ -49,6 +49,8 @@ def auto_dtype(device: str, flags: frozenset[str] | None = None) -> tuple[str, s
 # 2-core machine at load ~6): host time per step outside the forward, median 2.9 ms off,
 # 2.2 ms on (min 0.80 / 0.46): no growth beyond the noise, and no gain to switch on for.
 OVERLAP_ON_CPU = False
+# Weight formats besides the model dtype (pdserve.engine.layers.int8); None: the model dtype.
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         parse_bytes(self.kv_cache_memory)
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or none, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be {' or '.join(QUANTIZATIONS)} or none, got "
+                             f"{self.quantization!r}")
         if self.quantization and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization} runs on the CPU only (its "
                              f"kernels are the CPU decode stack's), not on {self.device}")

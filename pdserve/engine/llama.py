@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.layers.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.layers.int8 import Int8Weight, int8_linear, quantize_int8
@@ -62,7 +63,6 @@ class LayerWeights:
 
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
-QUANTIZATIONS = ("int8",)
 
 
 LayerHook = Callable[[int], None]

@@ -36,7 +36,7 @@ def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[An
             print(f"model {source.name} loaded from the weight cache in "
                   f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
             return cached
-    if entry is None:
+    else:
         direct = _read_safetensors_dir(source.directory)
         if direct is not None:
             print(f"model {source.name} loaded in {time.perf_counter() - t0:.1f}s",
@@ -62,11 +62,12 @@ def load_hf_weights(source: ModelSource, show_progress: bool = True) -> tuple[An
 
 def _read_safetensors_dir(directory: str) -> tuple[Any, dict] | None:
     """(config, float32 state dict) read straight from a Hugging Face directory's
-    safetensors files, or None where it has none (a .bin checkpoint: transformers reads
-    it). Skips building transformers' model, whose modeling code alone took ~2 s to import
-    at every worker start. Each tensor is copied out of the file's mapping (a float32
-    tensor there may sit off a 64-byte line; torch's allocator aligns the copy)."""
+    safetensors files (aligned copies, `weight_cache.read_float32`), or None where it has
+    none (a .bin checkpoint: transformers reads it). Skips building transformers' model,
+    whose modeling code alone took ~2 s to import at every worker start."""
     from pathlib import Path
+
+    from pdserve.engine.weight_cache import read_float32
 
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
@@ -77,7 +78,5 @@ def _read_safetensors_dir(directory: str) -> tuple[Any, dict] | None:
     state: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                t = f.get_tensor(key)
-                state[key] = t.float() if t.dtype != torch.float32 else t.clone()
+            state.update(read_float32(f))
     return AutoConfig.from_pretrained(directory), state

@@ -129,13 +129,9 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     const int64_t QKV = QD + 2 * KVD;
     const int64_t widest = H > QD ? (H > I ? H : I) : (QD > I ? QD : I);
     char *scratch = malloc((size_t)M * (size_t)(H + QKV + QD + 2 * I + I + H) * es);
-    /* x prepared for the projections: float32 rows, or quantized for int8 weights */
-    size_t xf_bytes = gv_xbuf_bytes(M, widest, 0);
-    for (int i = 0; i < 3 && q8; i++) {
-        const size_t n = gv_xbuf_bytes(M, i == 0 ? H : i == 1 ? QD : I, 1);
-        xf_bytes = n > xf_bytes ? n : xf_bytes;
-    }
-    float *xf = malloc(xf_bytes);
+    /* x prepared for the projections (float32 rows, or quantized for int8 weights): the
+     * buffer grows with K, so the widest input sizes it */
+    float *xf = malloc(gv_xbuf_bytes(M, widest, q8));
     if (!scratch || !xf) {
         free(scratch);
         free(xf);

@@ -8,7 +8,7 @@ scales is 0.53x bfloat16's bytes. `int8_linear_reference` is the arithmetic the 
 run oneDNN on the de-quantized weights with unquantized x.
 
 Quality (`python -m pdserve.bench.int8_quality`, SmolLM2-135M over 2,048 tokens of this
-repository's prose; docs/benchmarks.md section 6, session 11): perplexity 25.06 in
+repository's prose at 0b365e0; docs/benchmarks.md section 6, session 11): perplexity 25.06 in
 float32 and bfloat16; int8 weights alone 25.10 with a scale per 64, 25.18 with one per row;
 int8 weights and x, both per 64, 25.27 (the next token agrees with float32's at 94.7 % of
 positions, bfloat16's at 97.3 %). The scales add 6 % to int8's bytes.
@@ -45,21 +45,27 @@ class Int8Weight:
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
 
 
+def _groups(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """t [R, K] as float32 groups [R, G, GROUP] (zero past K), each group's largest |t|
+    [R, G], and its scale amax / 127 (1 for an all-zero group, whose values are all 0)."""
+    r, k = t.shape
+    g = num_groups(k)
+    padded = torch.zeros(r, g * GROUP, dtype=torch.float32)
+    padded[:, :k] = t.detach().float()
+    groups = padded.view(r, g, GROUP)
+    amax = groups.abs().amax(dim=2)
+    return groups, amax, torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as the int8 kernels quantize it: (xq int8 [M, G * GROUP], zero past K;
     sx float32 [M, G]) with, per group, xq = round(x * (127 / amax)) (the quotient divided
     in float64, then float32, as gemv.c does) and sx = amax / 127 (1 for an all-zero
     group)."""
-    m, k = x.shape
-    g = num_groups(k)
-    padded = torch.zeros(m, g * GROUP, dtype=torch.float32)
-    padded[:, :k] = x.float()
-    groups = padded.view(m, g, GROUP)
-    amax = groups.abs().amax(dim=2)
+    groups, amax, sx = _groups(x)
     inv = torch.where(amax > 0, QMAX / amax.double(), torch.zeros_like(amax.double())).float()
     xq = torch.round(groups * inv[:, :, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    sx = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    return xq.view(m, g * GROUP), sx
+    return xq.flatten(1), sx
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
@@ -80,15 +86,9 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_int8 takes a float [N, K] weight, got {w.dtype} "
                          f"{tuple(w.shape)}")
-    n, k = w.shape
-    g = num_groups(k)
-    padded = torch.zeros(n, g * GROUP, dtype=torch.float32)
-    padded[:, :k] = w.detach().float()
-    groups = padded.view(n, g, GROUP)
-    amax = groups.abs().amax(dim=2)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    groups, _, scale = _groups(w)
     q = torch.round(groups / scale[:, :, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return Int8Weight(q=q.view(n, g * GROUP)[:, :k].contiguous(), scale=scale.contiguous())
+    return Int8Weight(q=q.flatten(1)[:, :w.shape[1]].contiguous(), scale=scale.contiguous())
 
 
 def int8_linear(base: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
