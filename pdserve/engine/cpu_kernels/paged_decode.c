@@ -25,6 +25,7 @@
  * sums; the softmax weights and p.v stay float32.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,7 +37,6 @@
 #include "common.h"
 
 #define TILE 32 /* keys per tile: its rows (<= 32 KiB at D=128) stay in L1 across heads */
-#define PREFETCH_BYTES 16384 /* of the next block's K (and as much V), ahead of use */
 /* Position of element i in split order: per 32 elements, the 16 even ones then the 16 odd. */
 static inline int split_pos(int i)
 {
@@ -61,6 +61,17 @@ static size_t scratch_floats(const struct args *a)
     return 2 * HG * G * a->D + G * TILE + 3 * HG * G + 2 * (size_t)a->D;
 }
 
+/* Asks for the row at the same place in the next block (pf bytes on) as this one is read,
+ * so the next block arrives a line at a time during this block's arithmetic instead of in
+ * one burst that fills the core's miss queue and stalls it (a burst of ~200 prefetches per
+ * block took 28 % of the kernel's cycles). pf = 0: no next block. */
+INLINE void prefetch_row(const void *row, ptrdiff_t pf, const int bytes)
+{
+    if (pf)
+        for (int c = 0; c < bytes; c += 64)
+            __builtin_prefetch((const char *)row + pf + c, 0, 2);
+}
+
 /* ---- portable tile steps: any D, any dtype; gcc vectorises the D loops ---- */
 
 /* Row r of a tile as float32: the cache itself when it is float32, else widened into buf. */
@@ -74,9 +85,10 @@ static inline const float *row_f32(const void *row, int D, int dt, float *buf)
 }
 
 INLINE void score_tile_c(const float *qf, const void *const *krows, int nt, int G, int D,
-                         int dt, float *s, float *buf)
+                         int dt, float *s, float *buf, ptrdiff_t pf)
 {
     for (int t = 0; t < nt; t++) {
+        prefetch_row(krows[t], pf, D * (dt == DT_F32 ? 4 : 2));
         const float *kr = row_f32(krows[t], D, dt, buf);
         for (int g = 0; g < G; g++) {
             const float *qg = qf + g * D;
@@ -89,12 +101,13 @@ INLINE void score_tile_c(const float *qf, const void *const *krows, int nt, int 
 }
 
 INLINE void accum_tile_c(float *acc, const float *corr, const void *const *vrows, int nt,
-                         int G, int D, int dt, const float *s, float *buf)
+                         int G, int D, int dt, const float *s, float *buf, ptrdiff_t pf)
 {
     for (int g = 0; g < G; g++)
         for (int d = 0; d < D; d++)
             acc[g * D + d] *= corr[g];
     for (int t = 0; t < nt; t++) {
+        prefetch_row(vrows[t], pf, D * (dt == DT_F32 ? 4 : 2));
         const float *vr = row_f32(vrows[t], D, dt, buf);
         for (int g = 0; g < G; g++) {
             const float p = s[g * TILE + t];
@@ -146,7 +159,7 @@ INLINE __m512 reduce16(const __m512 *p)
 
 /* float32 cache */
 INLINE void score_tile_simd(const float *qf, const void *const *krows, int nt, int G,
-                            const int NV, float *s)
+                            const int NV, float *s, ptrdiff_t pf)
 {
     for (int g = 0; g < G; g++) {
         __m512 qv[MAX_NV];
@@ -154,11 +167,15 @@ INLINE void score_tile_simd(const float *qf, const void *const *krows, int nt, i
             qv[v] = _mm512_loadu_ps(qf + g * NV * 16 + v * 16);
         for (int c = 0; c < nt; c += 16) {
             __m512 p[16];
+#pragma GCC unroll 16
             for (int j = 0; j < 16; j++) {
                 p[j] = _mm512_setzero_ps();
-                if (c + j < nt)
+                if (c + j < nt) {
+                    if (g == 0)
+                        prefetch_row(krows[c + j], pf, NV * 64);
                     for (int v = 0; v < NV; v++)
                         p[j] = _mm512_fmadd_ps(qv[v], load16(krows[c + j], v * 16), p[j]);
+                }
             }
             _mm512_storeu_ps(s + g * TILE + c, reduce16(p));
         }
@@ -166,7 +183,7 @@ INLINE void score_tile_simd(const float *qf, const void *const *krows, int nt, i
 }
 
 INLINE void accum_tile_simd(float *acc, const float *corr, const void *const *vrows, int nt,
-                            int G, const int NV, const float *s)
+                            int G, const int NV, const float *s, ptrdiff_t pf)
 {
     for (int g = 0; g < G; g++) {
         float *ag = acc + g * NV * 16;
@@ -180,6 +197,10 @@ INLINE void accum_tile_simd(float *acc, const float *corr, const void *const *vr
         }
         int t = 0;
         for (; t + 1 < nt; t += 2) {
+            if (g == 0) {
+                prefetch_row(vrows[t], pf, NV * 64);
+                prefetch_row(vrows[t + 1], pf, NV * 64);
+            }
             const __m512 p0 = _mm512_set1_ps(sg[t]), p1 = _mm512_set1_ps(sg[t + 1]);
             for (int v = 0; v < NV; v++) {
                 a0[v] = _mm512_fmadd_ps(p0, load16(vrows[t], v * 16), a0[v]);
@@ -187,6 +208,8 @@ INLINE void accum_tile_simd(float *acc, const float *corr, const void *const *vr
             }
         }
         if (t < nt) {
+            if (g == 0)
+                prefetch_row(vrows[t], pf, NV * 64);
             const __m512 p0 = _mm512_set1_ps(sg[t]);
             for (int v = 0; v < NV; v++)
                 a0[v] = _mm512_fmadd_ps(p0, load16(vrows[t], v * 16), a0[v]);
@@ -198,7 +221,7 @@ INLINE void accum_tile_simd(float *acc, const float *corr, const void *const *vr
 
 /* bf16 cache, q (scaled float32) in split order */
 INLINE void score_tile_split(const float *qf, const void *const *krows, int nt, int G,
-                             const int NV, float *s)
+                             const int NV, float *s, ptrdiff_t pf)
 {
     for (int g = 0; g < G; g++) {
         __m512 qv[MAX_NV];
@@ -206,15 +229,19 @@ INLINE void score_tile_split(const float *qf, const void *const *krows, int nt, 
             qv[v] = _mm512_loadu_ps(qf + g * NV * 16 + v * 16);
         for (int c = 0; c < nt; c += 16) {
             __m512 p[16];
+#pragma GCC unroll 16
             for (int j = 0; j < 16; j++) {
                 p[j] = _mm512_setzero_ps();
-                if (c + j < nt)
+                if (c + j < nt) {
+                    if (g == 0)
+                        prefetch_row(krows[c + j], pf, NV * 32);
                     for (int v = 0; v < NV; v += 2) {
                         __m512 e, o;
                         widen32(krows[c + j], v * 16, &e, &o);
                         p[j] = _mm512_fmadd_ps(qv[v], e, p[j]);
                         p[j] = _mm512_fmadd_ps(qv[v + 1], o, p[j]);
                     }
+                }
             }
             _mm512_storeu_ps(s + g * TILE + c, reduce16(p));
         }
@@ -225,7 +252,7 @@ INLINE void score_tile_split(const float *qf, const void *const *krows, int nt, 
 /* bf16 cache and bf16 query (raw, in order, unscaled): vdpbf16ps multiplies pairs of bf16
  * exactly and adds them in float32 (it flushes float32 denormals, below 1.2e-38, to zero). */
 INLINE void score_tile_dp(const uint16_t *qb, const void *const *krows, int nt, int G,
-                          const int NV, float qscale, float *s)
+                          const int NV, float qscale, float *s, ptrdiff_t pf)
 {
     const __m512 sc = _mm512_set1_ps(qscale);
     for (int g = 0; g < G; g++) {
@@ -234,13 +261,17 @@ INLINE void score_tile_dp(const uint16_t *qb, const void *const *krows, int nt, 
             qv[v] = (__m512bh)_mm512_loadu_si512(qb + g * NV * 16 + v * 32);
         for (int c = 0; c < nt; c += 16) {
             __m512 p[16];
+#pragma GCC unroll 16
             for (int j = 0; j < 16; j++) {
                 p[j] = _mm512_setzero_ps();
-                if (c + j < nt)
+                if (c + j < nt) {
+                    if (g == 0)
+                        prefetch_row(krows[c + j], pf, NV * 32);
                     for (int v = 0; v < NV / 2; v++)
                         p[j] = _mm512_dpbf16_ps(
                             p[j], qv[v],
                             (__m512bh)_mm512_loadu_si512((const uint16_t *)krows[c + j] + v * 32));
+                }
             }
             _mm512_storeu_ps(s + g * TILE + c, _mm512_mul_ps(reduce16(p), sc));
         }
@@ -251,7 +282,7 @@ INLINE void score_tile_dp(const uint16_t *qb, const void *const *krows, int nt, 
 /* NH query heads at once, their accumulators (split order) in registers, so each V row is
  * loaded and widened once for all of them rather than once per head. NH * NV <= 16. */
 INLINE void accum_heads_split(float *acc, const float *corr, const void *const *vrows, int nt,
-                              const int NH, const int NV, const float *s)
+                              const int NH, const int NV, const float *s, ptrdiff_t pf)
 {
     const int D = 16 * NV;
     const int TWO = NH * NV < 8; /* too few chains to hide FMA latency: a second set */
@@ -267,6 +298,8 @@ INLINE void accum_heads_split(float *acc, const float *corr, const void *const *
     int t = 0;
     if (TWO)
         for (; t + 1 < nt; t += 2) {
+            prefetch_row(vrows[t], pf, NV * 32);
+            prefetch_row(vrows[t + 1], pf, NV * 32);
             for (int h = 0; h < NH; h++) {
                 p0[h] = _mm512_set1_ps(s[h * TILE + t]);
                 p1[h] = _mm512_set1_ps(s[h * TILE + t + 1]);
@@ -284,6 +317,7 @@ INLINE void accum_heads_split(float *acc, const float *corr, const void *const *
             }
         }
     for (; t < nt; t++) {
+        prefetch_row(vrows[t], pf, NV * 32);
         for (int h = 0; h < NH; h++)
             p0[h] = _mm512_set1_ps(s[h * TILE + t]);
         for (int v = 0; v < NV; v += 2) {
@@ -304,7 +338,7 @@ INLINE void accum_heads_split(float *acc, const float *corr, const void *const *
 
 /* The G heads in groups of at most 16 / NV, each group size a compile-time constant. */
 INLINE void accum_tile_split(float *acc, const float *corr, const void *const *vrows, int nt,
-                             int G, const int NV, const float *s)
+                             int G, const int NV, const float *s, ptrdiff_t pf)
 {
     const int NHMAX = 16 / NV;
     for (int g = 0; g < G;) {
@@ -312,13 +346,13 @@ INLINE void accum_tile_split(float *acc, const float *corr, const void *const *v
         float *ag = acc + g * NV * 16;
         const float *cg = corr + g, *sg = s + g * TILE;
         if (NHMAX >= 4 && nh == 4)
-            accum_heads_split(ag, cg, vrows, nt, 4, NV, sg);
+            accum_heads_split(ag, cg, vrows, nt, 4, NV, sg, g ? 0 : pf);
         else if (NHMAX >= 3 && nh == 3)
-            accum_heads_split(ag, cg, vrows, nt, 3, NV, sg);
+            accum_heads_split(ag, cg, vrows, nt, 3, NV, sg, g ? 0 : pf);
         else if (nh == 2)
-            accum_heads_split(ag, cg, vrows, nt, 2, NV, sg);
+            accum_heads_split(ag, cg, vrows, nt, 2, NV, sg, g ? 0 : pf);
         else
-            accum_heads_split(ag, cg, vrows, nt, 1, NV, sg);
+            accum_heads_split(ag, cg, vrows, nt, 1, NV, sg, g ? 0 : pf);
         g += nh;
     }
 }
@@ -347,9 +381,9 @@ static inline void softmax_tile(float *s, int nt, int G, int first, float *m, fl
 }
 
 /* One work item: sequence b, KV heads [h0, h0 + a->hg). Block by block, each head's tile
- * is scored, softmaxed and accumulated. With all heads in one item the block's rows form
- * one contiguous run, prefetched whole while the previous block is computed; per-head items
- * read rows strided by Hkv * D from scattered blocks and measured ~20% slower.
+ * is scored, softmaxed and accumulated, and the next block's rows fetched as these are
+ * read. With all heads in one item the block's rows form one contiguous run; per-head
+ * items read rows strided by Hkv * D from scattered blocks and measured ~20% slower.
  * Inlined into one copy per (head_dim, dtype) pair below: constants let the compiler keep
  * a head's accumulators in registers and drop the dtype branches. NV > 0 selects the
  * AVX-512 steps for D = 16 * NV; NV = 0 the portable ones for any D. QDP (AVX512-BF16
@@ -365,7 +399,6 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
 #endif
     const int G = a->Hq / a->Hkv, HG = a->hg, Hkv = a->Hkv, bs = a->bs;
     const size_t esize = dt == DT_F32 ? 4 : 2, row_stride = (size_t)Hkv * D * esize;
-    const size_t run = (size_t)HG * D * esize; /* bytes of one token's rows for our heads */
     float *qf = scratch, *acc = qf + HG * G * D, *s = acc + HG * G * D, *m = s + G * TILE;
     float *l = m + HG * G, *corr = l + HG * G, *kbuf = corr + HG * G, *vbuf = kbuf + D;
     const void *krows[TILE], *vrows[TILE];
@@ -375,13 +408,14 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
     const uint16_t *qb = (const uint16_t *)a->q + q0; /* read only when QDP */
     (void)qb;
 
-    for (int i = 0; i < HG * G * D; i++) {
-        float x = a->q_dt == DT_F32 ? ((const float *)a->q)[q0 + i]
-                                    : bf16_to_f32(((const uint16_t *)a->q)[q0 + i]);
-        /* D is a multiple of 32 when split, so the order is per 32 of the flat index */
-        qf[split ? split_pos(i) : i] = x * qscale;
-        acc[i] = 0.f;
-    }
+    if (!QDP) /* vdpbf16ps scores read the query as given */
+        for (int i = 0; i < HG * G * D; i++) {
+            float x = a->q_dt == DT_F32 ? ((const float *)a->q)[q0 + i]
+                                        : bf16_to_f32(((const uint16_t *)a->q)[q0 + i]);
+            /* D is a multiple of 32 when split, so the order is per 32 of the flat index */
+            qf[split ? split_pos(i) : i] = x * qscale;
+        }
+    memset(acc, 0, sizeof(float) * HG * G * D);
     for (int i = 0; i < HG * G; i++)
         l[i] = 0.f;
 
@@ -392,21 +426,14 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
         const int n = len - start < bs ? len - start : bs;
         /* token 0 of this block for KV head h0; token t is t * row_stride further */
         const size_t off = (((size_t)table[start / bs] * bs) * Hkv + h0) * D * esize;
-        if (start + bs < len) {
-            /* the next block is elsewhere in memory (the hardware prefetchers cannot guess
-             * where): ask for it now, at most PREFETCH_BYTES so big blocks do not evict the
-             * current one. Into L2 (locality 2: prefetcht1) rather than L1: measured on a
-             * Zen 4 from DRAM, 3-25% faster in float32 and 5-70% in bfloat16 at block sizes
-             * 32 down to 8; prefetching two blocks ahead gained nothing. */
-            const size_t next = (((size_t)table[start / bs + 1] * bs) * Hkv + h0) * D * esize;
-            const int nn = len - start - bs < bs ? len - start - bs : bs;
-            const int cap = PREFETCH_BYTES / run > 0 ? (int)(PREFETCH_BYTES / run) : 1;
-            for (int t = 0; t < (nn < cap ? nn : cap); t++)
-                for (size_t c = 0; c < run; c += 64) {
-                    __builtin_prefetch((const char *)a->k + next + t * row_stride + c, 0, 2);
-                    __builtin_prefetch((const char *)a->v + next + t * row_stride + c, 0, 2);
-                }
-        }
+        /* the next block is elsewhere in memory (the hardware prefetchers cannot guess
+         * where): each row read asks for its counterpart there, into L2 (locality 2:
+         * prefetcht1; measured on a Zen 4 from DRAM, 3-25% faster than into L1). */
+        const ptrdiff_t pf =
+            start + bs < len
+                ? (ptrdiff_t)((((size_t)table[start / bs + 1] * bs) * Hkv + h0) * D * esize) -
+                      (ptrdiff_t)off
+                : 0;
         for (int t0 = 0; t0 < n; t0 += TILE) {
             const int nt = n - t0 < TILE ? n - t0 : TILE;
             for (int hl = 0; hl < HG; hl++) {
@@ -421,24 +448,24 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
                 float *ch = corr + hl * G;
 #ifdef __AVX512F__
                 if (NV && dt == DT_F32) {
-                    score_tile_simd(qh, krows, nt, G, NV, s);
+                    score_tile_simd(qh, krows, nt, G, NV, s, pf);
                     softmax_tile(s, nt, G, first, mh, lh, ch);
-                    accum_tile_simd(ah, ch, vrows, nt, G, NV, s);
+                    accum_tile_simd(ah, ch, vrows, nt, G, NV, s, pf);
                 } else if (NV) {
 #ifdef __AVX512BF16__
                     if (QDP)
-                        score_tile_dp(qb + hl * G * D, krows, nt, G, NV, qscale, s);
+                        score_tile_dp(qb + hl * G * D, krows, nt, G, NV, qscale, s, pf);
                     else
 #endif
-                        score_tile_split(qh, krows, nt, G, NV, s);
+                        score_tile_split(qh, krows, nt, G, NV, s, pf);
                     softmax_tile(s, nt, G, first, mh, lh, ch);
-                    accum_tile_split(ah, ch, vrows, nt, G, NV, s);
+                    accum_tile_split(ah, ch, vrows, nt, G, NV, s, pf);
                 } else
 #endif
                 {
-                    score_tile_c(qh, krows, nt, G, D, dt, s, kbuf);
+                    score_tile_c(qh, krows, nt, G, D, dt, s, kbuf, pf);
                     softmax_tile(s, nt, G, first, mh, lh, ch);
-                    accum_tile_c(ah, ch, vrows, nt, G, D, dt, s, vbuf);
+                    accum_tile_c(ah, ch, vrows, nt, G, D, dt, s, vbuf, pf);
                 }
             }
             first = 0;
