@@ -79,6 +79,10 @@ torch.testing.assert_close(exponential_noise(keys, 9000), noise_from_keys(keys, 
                            rtol=6e-7, atol=0)
 logits = torch.randn(3, 9000, generator=gen) * 3
 assert torch.equal(exponential_race(logits, keys), race_from_keys(logits, keys))
+from pdserve.engine.cpu_kernels.argmax import argmax_rows
+logits[1, 4000] = logits[1].max()  # a tie: the first index wins
+logits[2, 17] = float("nan")
+assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 print(library_path())
 """
 

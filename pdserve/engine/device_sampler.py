@@ -17,6 +17,8 @@ non-blocking, and synchronised once.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -196,7 +198,7 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
     r = logits.shape[0]
     f, i = bufs.floats[:r], bufs.ints[:r]
     x = penalized(logits, bufs, flags)
-    tokens = x.argmax(-1)
+    tokens = greedy_tokens(x)
     if flags.random:
         y = x / f[:, _TEMP, None]
         if flags.sort:
@@ -217,6 +219,24 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
     else:
         cols.append(torch.zeros_like(cols[0]))
     return torch.cat(cols, dim=1)
+
+
+def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1); for float32 rows on the CPU the C kernel, where torch's argmax took
+    ~4 ms of a ~90 ms step for 64 rows of a 49k vocabulary. Not while a CUDA graph is being
+    captured (a CPU tensor never is)."""
+    op = _cpu_argmax() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if op is not None and x.dim() == 2 and x.stride(1) == 1:
+        return op(x)
+    return x.argmax(-1)
+
+
+@functools.cache
+def _cpu_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The C op, imported on first use; None (warned once) when it cannot start."""
+    from pdserve.engine.cpu_kernels.library import op_or_none
+
+    return op_or_none("argmax", "argmax_rows", "the C argmax", "greedy rows use torch's")
 
 
 def penalized(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleFlags

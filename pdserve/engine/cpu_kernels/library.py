@@ -116,6 +116,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sn_exponential_noise.restype = None
     lib.sn_exponential_race.argtypes = [p, p, i64, i64, p, i32]
     lib.sn_exponential_race.restype = None
+    # argmax.c
+    lib.am_argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
+    lib.am_argmax_rows.restype = None
 
 
 def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:
