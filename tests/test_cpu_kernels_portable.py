@@ -83,6 +83,8 @@ from pdserve.engine.cpu_kernels.argmax import argmax_rows
 logits[1, 4000] = logits[1].max()  # a tie: the first index wins
 logits[2, 17] = float("nan")
 assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+from pdserve.engine.cpu_kernels.amx_linear import amx_available
+assert not amx_available()  # the stubs: no tiles in an x86-64-v2 build
 print(library_path())
 """
 

@@ -116,6 +116,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sn_exponential_noise.restype = None
     lib.sn_exponential_race.argtypes = [p, p, i64, i64, p, i32]
     lib.sn_exponential_race.restype = None
+    # amx_linear.c
+    lib.al_available.argtypes = []
+    lib.al_available.restype = i32
+    lib.al_pack.argtypes = [p, i64, i64, p]
+    lib.al_pack.restype = None
+    lib.al_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
+    lib.al_linear.restype = i32
     # argmax.c
     lib.am_argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.am_argmax_rows.restype = None

@@ -15,6 +15,10 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # work is a GEMM and oneDNN's blocked kernels win (crossover measured with
 # `python -m pdserve.bench.cpu_linear`, docs/benchmarks.md section 6).
 GEMV_MAX_ROWS = 4
+# From there up to this many rows a bfloat16 projection runs on AMX tiles where the CPU has
+# them (pdserve::amx_linear): 1.2-1.6x oneDNN's matmul over a whole step's projections at
+# 8-64 rows; at 128 rows and more oneDNN's blocking wins (docs/benchmarks.md section 6).
+AMX_MAX_ROWS = 64
 # oneDNN's blocked copy of a weight is made for a batch size, but serves any (measured:
 # a copy made for M rows ran M + 7 rows as fast); 128 is between a decode batch and a
 # prefill chunk.
@@ -59,13 +63,48 @@ def cpu_linear() -> Linear:
 
     load()
     gemm = blocked_onednn_linear()
+    tiles = amx_tiles_linear()
 
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in DTYPE_CODES:
+        m = x.shape[0]
+        if m <= GEMV_MAX_ROWS and x.dtype in DTYPE_CODES:
             return gemv_linear(x, weight)
+        if tiles is not None and m <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
+            y = tiles(x, weight)
+            if y is not None:
+                return y
         return gemm(x, weight)
 
     return linear
+
+
+def amx_tiles_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+    """x @ W.T on AMX tiles over a packed copy of each bfloat16 weight, made at its first
+    call and kept while the weight lives (like oneDNN's blocked copy: one more copy of the
+    projections in memory); None for a weight the tiles cannot take. None where this CPU,
+    kernel or build has no AMX."""
+    from pdserve.engine.cpu_kernels.amx_linear import (
+        amx_available,
+        amx_linear,
+        amx_pack,
+        packable,
+    )
+
+    if not amx_available():
+        return None
+    packed: dict[int, torch.Tensor | None] = {}
+
+    def tiles_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        key = id(weight)
+        if key not in packed:
+            packed[key] = amx_pack(weight.contiguous()) if packable(weight) else None
+            weakref.finalize(weight, packed.pop, key, None)
+        p = packed[key]
+        if p is None or x.shape[1] != weight.shape[1]:
+            return None
+        return amx_linear(x if x.stride(-1) == 1 else x.contiguous(), p, weight.shape[0])
+
+    return tiles_linear
 
 
 def pick_linear(device: torch.device, impl: str = "torch") -> Linear:
