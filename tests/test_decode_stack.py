@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import pdserve.engine.llama as llama
+from pdserve.engine.cpu_kernels.amx_linear import amx_available
 from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
-from pdserve.engine.layers.linear import GEMV_MAX_ROWS
+from pdserve.engine.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS
 from pdserve.protocol import SamplingParams
 from tests.conftest import tiny_engine
 
@@ -42,11 +43,36 @@ def test_same_tokens_as_the_layer_loop(tiny_model_dir, dtype, kv_dtype, monkeypa
         loop, _ = _generate(engine, PROMPTS[:n], False, monkeypatch, temperature=0.0)
         stack, used = _generate(engine, PROMPTS[:n], True, monkeypatch, temperature=0.0)
         assert stack == loop
-        # every row decodes to the same length: a batch past GEMV_MAX_ROWS never shrinks
-        assert any(used) == (n <= GEMV_MAX_ROWS)
+        # every row decodes to the same length: a batch past GEMV_MAX_ROWS never shrinks;
+        # a bfloat16 one is the batched form's where the CPU has AMX
+        batched = dtype == "bfloat16" and kv_dtype is None and amx_available()
+        assert any(used) == (n <= GEMV_MAX_ROWS or batched)
     seeded_loop, _ = _generate(engine, PROMPTS[:2], False, monkeypatch, temperature=0.8, seed=7)
     seeded_stack, _ = _generate(engine, PROMPTS[:2], True, monkeypatch, temperature=0.8, seed=7)
     assert seeded_stack == seeded_loop
+
+
+@pytest.mark.skipif(not amx_available(), reason="the batched form needs AMX tiles")
+def test_batched_form_gives_the_loops_tokens(tiny_model_dir, monkeypatch):
+    """bfloat16 batches past GEMV_MAX_ROWS: rows around the tiles' 16 and 32 (the buffers'
+    zeroed padding), the most the stack takes, and one past it (the loop's)."""
+    engine = tiny_engine(tiny_model_dir, dtype="bfloat16", enable_prefix_caching=False,
+                         max_num_batched_tokens=2048)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(AMX_MAX_ROWS + 1)]
+    for n in (5, 17, 33, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        loop, _ = _generate(engine, prompts[:n], False, monkeypatch, temperature=0.0)
+        seen = []
+        real = CpuDecodeStack.run
+
+        def spy(self, x, *a, real=real):
+            seen.append(x.shape[0])
+            return real(self, x, *a)
+
+        monkeypatch.setattr(CpuDecodeStack, "run", spy)
+        stack, _ = _generate(engine, prompts[:n], True, monkeypatch, temperature=0.0)
+        monkeypatch.setattr(CpuDecodeStack, "run", real)
+        assert stack == loop, n
+        assert (n in seen) == (n <= AMX_MAX_ROWS), (n, seen)
 
 
 def test_taken_only_for_small_pure_decode_steps(tiny_model_dir, monkeypatch):

@@ -211,12 +211,12 @@ class LlamaModel:
     def _stack_for(self, t: int, kv_cache: PagedKVCache, meta: AttentionMetadata,
                    backend: AttentionBackend, layer_hook: LayerHook | None) -> Any:
         """The C decode stack (pdserve.engine.cpu_kernels.decode_stack) when this step can
-        take it: C layer ops and C attention, a pure decode of at most GEMV_MAX_ROWS rows,
-        no layer hook, no padded row; else None (the layer loop below)."""
-        from pdserve.engine.layers.linear import GEMV_MAX_ROWS
+        take it: C layer ops and C attention, a pure decode of at most the stack's max_rows
+        rows, no layer hook, no padded row; else None (the layer loop below)."""
+        from pdserve.engine.layers.linear import AMX_MAX_ROWS
 
         if (self.ops.name != "cpu" or backend.name != "cpu" or layer_hook is not None
-                or t > GEMV_MAX_ROWS or meta.num_decodes != t or t == 0):
+                or t > AMX_MAX_ROWS or meta.num_decodes != t or t == 0):
             return None
         if self._decode_stack is None or self._decode_stack[0] is not kv_cache:
             from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
@@ -226,6 +226,6 @@ class LlamaModel:
             except ValueError:  # a layout the stack does not take: the loop, every step
                 self._decode_stack = (kv_cache, None)
         stack = self._decode_stack[1]
-        if stack is None or int(meta.slot_mapping.min()) < 0:
+        if stack is None or t > stack.max_rows or int(meta.slot_mapping.min()) < 0:
             return None
         return stack

@@ -136,6 +136,81 @@ INLINE void block(const char *const *a, const int64_t *lda, const char *const *w
 }
 #endif
 
+#ifdef HAVE_AMX
+/* Thread t of nt's share of y = x @ W^T: N-blocks [nblocks * t / nt, nblocks * (t + 1) / nt).
+ * Rows at and past the last multiple of 16 come from `tail` (16 zero-padded rows of K) when
+ * it is given; NULL: x itself has readable rows up to the next multiple of 16. */
+static void part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *tail,
+                 const uint16_t *packed, int64_t N, int64_t K, void *y, int64_t y_stride,
+                 int y_dt, int t, int nt)
+{
+    const int64_t ks = K / KSTEP, nblocks = N / NBLOCK, full = M / MROWS * MROWS;
+    /* contiguous N-blocks per thread: each streams one run of the packed weights */
+    const int64_t nb0 = nblocks * t / nt, nb1 = nblocks * (t + 1) / nt;
+    if (nb0 >= nb1)
+        return;
+    float c[4][MROWS * NBLOCK] __attribute__((aligned(64)));
+    configure();
+    for (int64_t nb = nb0; nb < nb1; nb += 2) {
+        const int nbs = nb + 1 < nb1 ? 2 : 1;
+        const char *w[2];
+        for (int j = 0; j < 2; j++)
+            w[j] = (const char *)(packed + (nb + (j < nbs ? j : 0)) * ks * KSTEP * NBLOCK);
+        /* the thread's next two N-blocks follow these in memory */
+        const char *next = nb + 2 < nb1 ? w[0] + (int64_t)nbs * ks * 1024 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += 2 * MROWS) {
+            const char *a[2];
+            int64_t lda[2];
+            int mb = 0;
+            for (; mb < 2 && m0 + mb * MROWS < M; mb++) {
+                const int64_t r0 = m0 + mb * MROWS;
+                const int from_tail = tail && r0 >= full;
+                a[mb] = from_tail ? (const char *)tail : (const char *)(x + r0 * x_stride);
+                lda[mb] = (from_tail ? K : x_stride) * 2;
+            }
+            if (mb == 2 && nbs == 2)
+                block(a, lda, w, m0 ? NULL : next, ks, 2, 2);
+            else if (mb == 2)
+                block(a, lda, w, m0 ? NULL : next, ks, 2, 1);
+            else if (nbs == 2)
+                block(a, lda, w, m0 ? NULL : next, ks, 1, 2);
+            else
+                block(a, lda, w, m0 ? NULL : next, ks, 1, 1);
+            _tile_stored(0, c[0], 64);
+            if (nbs > 1)
+                _tile_stored(1, c[1], 64);
+            if (mb > 1)
+                _tile_stored(2, c[2], 64);
+            if (mb > 1 && nbs > 1)
+                _tile_stored(3, c[3], 64);
+            for (int ct = 0; ct < 2 * mb; ct++) { /* C tile ct: row block ct / 2, column ct % 2 */
+                const int ti = ct / 2, tn = ct % 2;
+                if (tn >= nbs)
+                    continue;
+                for (int r = 0; r < MROWS && m0 + ti * MROWS + r < M; r++)
+                    store_row(y, (m0 + ti * MROWS + r) * y_stride + (nb + tn) * NBLOCK,
+                              c[ct] + r * NBLOCK, y_dt);
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+/* al_linear's share for thread t of the nt threads of an enclosing parallel region (the
+ * decode stack's): x must have readable rows up to the next multiple of 16 past M (their
+ * products land in no output row); y [M, N] has row stride y_stride. */
+void al_part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
+             int64_t N, int64_t K, void *y, int64_t y_stride, int y_dt, int t, int nt)
+{
+#ifdef HAVE_AMX
+    part(x, x_stride, M, NULL, packed, N, K, y, y_stride, y_dt, t, nt);
+#else
+    (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)y, (void)y_stride,
+        (void)y_dt, (void)t, (void)nt;
+#endif
+}
+
 /* y [M, N] (row stride N, dtype y_dt) = x [M, K] (bf16, row stride x_stride elements) @ W^T
  * with W packed by al_pack. Returns 0; -1 when AMX is unavailable or scratch memory could
  * not be had (nothing written). */
@@ -145,16 +220,15 @@ int al_linear(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *pa
 #ifdef HAVE_AMX
     if (!al_available())
         return -1;
-    const int64_t ks = K / KSTEP, nblocks = N / NBLOCK;
-    const int64_t full = M / MROWS * MROWS, tail = M - full;
+    const int64_t nblocks = N / NBLOCK, full = M / MROWS * MROWS, rest = M - full;
     /* the last partial 16 rows, zero-padded, so every A tile has 16 rows */
-    uint16_t *pad = NULL;
-    if (tail) {
-        pad = calloc((size_t)MROWS * K, sizeof(uint16_t));
-        if (!pad)
+    uint16_t *tail = NULL;
+    if (rest) {
+        tail = calloc((size_t)MROWS * K, sizeof(uint16_t));
+        if (!tail)
             return -1;
-        for (int64_t r = 0; r < tail; r++)
-            memcpy(pad + r * K, x + (full + r) * x_stride, (size_t)K * sizeof(uint16_t));
+        for (int64_t r = 0; r < rest; r++)
+            memcpy(tail + r * K, x + (full + r) * x_stride, (size_t)K * sizeof(uint16_t));
     }
     if (num_threads > nblocks)
         num_threads = (int)nblocks;
@@ -162,60 +236,14 @@ int al_linear(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *pa
         num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     {
-        int nt = 1, me = 0;
 #ifdef _OPENMP
-        nt = omp_get_num_threads();
-        me = omp_get_thread_num();
+        part(x, x_stride, M, tail, packed, N, K, y, N, y_dt, omp_get_thread_num(),
+             omp_get_num_threads());
+#else
+        part(x, x_stride, M, tail, packed, N, K, y, N, y_dt, 0, 1);
 #endif
-        /* contiguous N-blocks per thread: each streams one run of the packed weights */
-        const int64_t nb0 = nblocks * me / nt, nb1 = nblocks * (me + 1) / nt;
-        float c[4][MROWS * NBLOCK] __attribute__((aligned(64)));
-        configure();
-        for (int64_t nb = nb0; nb < nb1; nb += 2) {
-            const int nbs = nb + 1 < nb1 ? 2 : 1;
-            const char *w[2];
-            for (int j = 0; j < 2; j++)
-                w[j] = (const char *)(packed + (nb + (j < nbs ? j : 0)) * ks * KSTEP * NBLOCK);
-            /* the thread's next two N-blocks follow these in memory */
-            const char *next = nb + 2 < nb1 ? w[0] + (int64_t)nbs * ks * 1024 : NULL;
-            for (int64_t m0 = 0; m0 < M; m0 += 2 * MROWS) {
-                const char *a[2];
-                int64_t lda[2];
-                int mb = 0;
-                for (; mb < 2 && m0 + mb * MROWS < M; mb++) {
-                    const int64_t r0 = m0 + mb * MROWS;
-                    const int is_tail = r0 >= full;
-                    a[mb] = is_tail ? (const char *)pad : (const char *)(x + r0 * x_stride);
-                    lda[mb] = (is_tail ? K : x_stride) * 2;
-                }
-                if (mb == 2 && nbs == 2)
-                    block(a, lda, w, m0 ? NULL : next, ks, 2, 2);
-                else if (mb == 2)
-                    block(a, lda, w, m0 ? NULL : next, ks, 2, 1);
-                else if (nbs == 2)
-                    block(a, lda, w, m0 ? NULL : next, ks, 1, 2);
-                else
-                    block(a, lda, w, m0 ? NULL : next, ks, 1, 1);
-                _tile_stored(0, c[0], 64);
-                if (nbs > 1)
-                    _tile_stored(1, c[1], 64);
-                if (mb > 1)
-                    _tile_stored(2, c[2], 64);
-                if (mb > 1 && nbs > 1)
-                    _tile_stored(3, c[3], 64);
-                for (int t = 0; t < 2 * mb; t++) {
-                    const int ti = t / 2, tn = t % 2;
-                    if (tn >= nbs)
-                        continue;
-                    for (int r = 0; r < MROWS && m0 + ti * MROWS + r < M; r++)
-                        store_row(y, (m0 + ti * MROWS + r) * N + (nb + tn) * NBLOCK,
-                                  c[t] + r * NBLOCK, y_dt);
-                }
-            }
-        }
-        _tile_release();
     }
-    free(pad);
+    free(tail);
     return 0;
 #else
     (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)y, (void)y_dt,

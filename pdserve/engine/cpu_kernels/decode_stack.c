@@ -82,6 +82,12 @@ int pd_decode(const void *q, int64_t q_stride_b, const void *k, const void *v,
               const int32_t *tables, int64_t bt_stride, const int32_t *lens, void *out, int B,
               int Hq, int Hkv, int D, int block_size, float scale, int q_dt, int kv_dt,
               int num_threads);
+int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void *v,
+                   const int32_t *tables, int64_t bt_stride, const int32_t *lens, void *out,
+                   int B, int Hq, int Hkv, int D, int block_size, float scale, int q_dt,
+                   int kv_dt, int nt, int *next);
+void al_part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
+             int64_t N, int64_t K, void *y, int64_t y_stride, int y_dt, int t, int nt);
 
 /* The shapes of one model and one cache, fixed for its life. */
 struct ds_model {
@@ -105,15 +111,123 @@ static void store_row(void *dst, const void *src, int64_t n, int dt, int kv_dt)
         d[i] = f32_to_bf16(s[i]);
 }
 
+/* The batched form (bfloat16, packed non-NULL): every projection on AMX tiles over the
+ * packed weights (amx_linear.c's al_part, split by output columns), and every other step
+ * split too: rows for the element-wise steps, work items for attention. The layer loop
+ * runs the same kernels for these batches (pdserve::amx_linear, the layer ops, the paged
+ * decode kernel), each row computed the same way whichever thread takes it, so the result
+ * is the loop's bit for bit. Buffers that feed a projection get rows up to the next
+ * multiple of 16, zeroed, for the tiles to read. */
+static int batched_layers(const struct ds_model *m, const void *const *weights,
+                          const void *const *packed, const void *final_norm, void *cache,
+                          void *x, void *out, const int64_t *positions, const int64_t *slots,
+                          const int32_t *lens, const int32_t *tables, int64_t bt_stride,
+                          const void *cos_t, const void *sin_t, int64_t M, int num_threads)
+{
+    const int dt = m->dt;
+    const size_t es = 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
+    const int64_t H = m->H, QD = m->Hq * m->D, KVD = m->Hkv * m->D, I = m->I;
+    const int64_t QKV = QD + 2 * KVD, M16 = (M + 15) / 16 * 16;
+    for (int64_t b = 0; b < M; b++) /* before any write: rows are split over threads below */
+        if (positions[b] < 0 || positions[b] >= m->max_position)
+            return -2;
+    char *scratch = malloc((size_t)(M16 * (H + QD + I) + M * (QKV + 2 * I + H)) * es);
+    int *next = calloc((size_t)m->L, sizeof(int)); /* attention's work counter per layer */
+    if (!scratch || !next) {
+        free(scratch);
+        free(next);
+        return -1;
+    }
+    char *h = scratch, *attn = h + M16 * H * es, *act = attn + M16 * QD * es;
+    char *qkv = act + M16 * I * es, *gu = qkv + M * QKV * es, *y = gu + M * 2 * I * es;
+    memset(h + M * H * es, 0, (size_t)((M16 - M) * H) * es);
+    memset(attn + M * QD * es, 0, (size_t)((M16 - M) * QD) * es);
+    memset(act + M * I * es, 0, (size_t)((M16 - M) * I) * es);
+    int rc = 0;
+    const int want = num_threads > 1 ? num_threads : 1;
+    struct spin_barrier bar = {0, 0, want};
+#pragma omp parallel num_threads(want)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int t = 0, nt = 1;
+#endif
+#pragma omp single
+        bar.threads = nt;
+        /* this thread's rows of the element-wise steps */
+        const int64_t r0 = M * t / nt, r1 = M * (t + 1) / nt, rows = r1 - r0;
+        char *xr = (char *)x + r0 * H * es, *hr = h + r0 * H * es, *yr = y + r0 * H * es;
+        if (rows)
+            lo_add_rms_norm(xr, H, NULL, weights[0], hr, rows, (int)H, m->eps, dt, 1);
+        barrier_wait(&bar);
+        for (int64_t l = 0; l < m->L; l++) {
+            const void *const *w = weights + 6 * l;
+            const uint16_t *const *p = (const uint16_t *const *)packed + 6 * l;
+            char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
+            char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
+            al_part((const uint16_t *)h, H, M, p[1], QKV, H, qkv, QKV, dt, t, nt);
+            barrier_wait(&bar);
+            if (rows) {
+                char *qr = qkv + r0 * QKV * es;
+                if (lo_rope(qr, QKV, positions + r0, cos_t, sin_t, m->max_position, rows,
+                            (int)(m->Hq + m->Hkv), (int)m->D, dt, 1) >= 0)
+                    __atomic_store_n(&rc, -2, __ATOMIC_RELAXED);
+                for (int64_t b = r0; b < r1; b++) {
+                    const char *row = qkv + (size_t)(b * QKV) * es;
+                    store_row(k_cache + (size_t)(slots[b] * KVD) * kv_es, row + QD * es, KVD,
+                              dt, m->kv_dt);
+                    store_row(v_cache + (size_t)(slots[b] * KVD) * kv_es,
+                              row + (QD + KVD) * es, KVD, dt, m->kv_dt);
+                }
+            }
+            barrier_wait(&bar);
+            if (__atomic_load_n(&rc, __ATOMIC_RELAXED)) /* every thread leaves here */
+                break;
+            if (pd_decode_team(qkv, QKV, k_cache, v_cache, tables, bt_stride, lens, attn,
+                               (int)M, (int)m->Hq, (int)m->Hkv, (int)m->D, (int)m->block_size,
+                               m->scale, dt, m->kv_dt, nt, &next[l]))
+                __atomic_store_n(&rc, -3, __ATOMIC_RELAXED);
+            barrier_wait(&bar);
+            if (__atomic_load_n(&rc, __ATOMIC_RELAXED))
+                break;
+            al_part((const uint16_t *)attn, QD, M, p[2], H, QD, y, H, dt, t, nt);
+            barrier_wait(&bar);
+            if (rows)
+                lo_add_rms_norm(xr, H, yr, w[3], hr, rows, (int)H, m->eps, dt, 1);
+            barrier_wait(&bar);
+            al_part((const uint16_t *)h, H, M, p[4], 2 * I, H, gu, 2 * I, dt, t, nt);
+            barrier_wait(&bar);
+            if (rows)
+                lo_silu_mul(gu + r0 * 2 * I * es, act + r0 * I * es, rows, (int)I, dt, 1);
+            barrier_wait(&bar);
+            al_part((const uint16_t *)act, I, M, p[5], H, I, y, H, dt, t, nt);
+            barrier_wait(&bar);
+            if (rows)
+                lo_add_rms_norm(xr, H, yr, l + 1 < m->L ? weights[6 * (l + 1)] : final_norm,
+                                hr, rows, (int)H, m->eps, dt, 1);
+            barrier_wait(&bar);
+        }
+    }
+    if (!rc)
+        memcpy(out, h, (size_t)(M * H) * es);
+    free(scratch);
+    free(next);
+    return rc;
+}
+
 /* weights: 6 pointers per layer (input_norm, qkv, o, post_norm, gate_up, down); scales:
  * NULL, or 6 per layer likewise where the projections are int8 (a float32 scale per output
  * row; the norms' entries unused), the activations then staying float32 for them; cache:
  * the [L, 2, num_blocks, block_size, Hkv, D] KV cache; x [M, H] the residual stream (the
- * embeddings in, updated in place); out [M, H] the final norm of the last residual.
+ * embeddings in, updated in place); out [M, H] the final norm of the last residual;
+ * packed: NULL, or 6 per layer likewise, the projections packed for AMX tiles (al_pack),
+ * for a bfloat16 batch: then the batched form above runs.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
  * failed; -4 a slot outside the cache (nothing written). */
 int ds_decode_layers(const struct ds_model *m, const void *const *weights,
-                     const float *const *scales, const void *final_norm, void *cache, void *x, void *out,
+                     const float *const *scales, const void *const *packed,
+                     const void *final_norm, void *cache, void *x, void *out,
                      const int64_t *positions, const int64_t *slots, const int32_t *lens,
                      const int32_t *tables, int64_t bt_stride, const void *cos_t,
                      const void *sin_t, int64_t num_slots, int64_t M, int num_threads)
@@ -121,6 +235,9 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     for (int64_t b = 0; b < M; b++)
         if (slots[b] < 0 || slots[b] >= num_slots)
             return -4;
+    if (packed)
+        return batched_layers(m, weights, packed, final_norm, cache, x, out, positions, slots,
+                              lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
     const int dt = m->dt;
     const int q8 = scales != NULL;
     static const float *const no_scales[6] = {NULL, NULL, NULL, NULL, NULL, NULL};

@@ -1,6 +1,9 @@
 """The Python side of decode_stack.c: `CpuDecodeStack`, every decoder layer of a CPU decode
 step in one C call (the model's layer loop, kernel for kernel, without a Python dispatch
-per kernel; over the int8 projections where the model is quantized).
+per kernel; over the int8 projections where the model is quantized). Up to GEMV_MAX_ROWS
+rows the projections stream the weights (the GEMV); a bfloat16 model on a CPU with AMX also
+takes batches up to AMX_MAX_ROWS, its projections on the tiles over the packed copies the
+layer loop uses (`linear.amx_packed`).
 
 Life cycle: built once per (model, KV cache) by the model, which checks there every
 weight's shape, dtype and layout and the cache's; `run` then checks only what changes per
@@ -18,6 +21,7 @@ import torch
 from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
 from pdserve.engine.cpu_kernels.paged_decode import MAX_HEAD_DIM, check_tables
 from pdserve.engine.layers.int8 import num_groups
+from pdserve.engine.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, amx_packed
 
 
 class DsModel(ctypes.Structure):
@@ -94,12 +98,40 @@ class CpuDecodeStack:
         self._scales = (ctypes.c_void_p * len(scales))(*scales) if int8 else None
         self._kv = kv_data
         self._model = model
+        self._projections = [getattr(layer, name) for layer in model.layers for name in want]
+        self._packed: ctypes.Array | None | bool = None  # False: cannot batch
         self._num_slots = kv_data.shape[2] * kv_data.shape[3]
         self._dims = DsModel(
             L=d.num_layers, H=h, Hq=d.num_heads, Hkv=d.num_kv_heads, D=d.head_dim, I=i,
             max_position=d.max_position, block_size=kv_data.shape[3],
             cache_layer_stride=kv_data.stride(0), eps=d.rms_norm_eps,
             scale=d.head_dim ** -0.5, dt=DTYPE_CODES[dt], kv_dt=DTYPE_CODES[kv_data.dtype])
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows `run` takes: AMX_MAX_ROWS where the batched form can run."""
+        return AMX_MAX_ROWS if self._batch_pointers() is not None else GEMV_MAX_ROWS
+
+    def _batch_pointers(self) -> ctypes.Array | None:
+        """The packed projections' pointers (None in a norm's place), made on first use;
+        None where the batched form cannot run (not bfloat16, no AMX, a shape the tiles do
+        not take)."""
+        if self._packed is None:
+            self._packed = False
+            if self._model.dtype == torch.bfloat16 and self._kv.dtype == torch.bfloat16:
+                from pdserve.engine.cpu_kernels.amx_linear import amx_available
+
+                if amx_available():
+                    pointers = []
+                    for t in self._projections:
+                        p = amx_packed(t) if t.dim() == 2 else None
+                        if t.dim() == 2 and p is None:
+                            pointers = None
+                            break
+                        pointers.append(None if p is None else p.data_ptr())
+                    if pointers is not None:
+                        self._packed = (ctypes.c_void_p * len(pointers))(*pointers)
+        return self._packed or None
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -125,9 +157,13 @@ class CpuDecodeStack:
             raise ValueError(f"block_tables must be int32 [{t}, max_blocks] with contiguous "
                              f"rows, got {block_tables.dtype} {tuple(block_tables.shape)}")
         check_tables(seq_lens, block_tables, self._kv[0, 0])
+        if t > self.max_rows:
+            raise ValueError(f"{t} rows: the decode stack takes at most {self.max_rows}")
+        packed = self._batch_pointers() if t > GEMV_MAX_ROWS else None
         out = torch.empty_like(x)
         rc = self._lib.ds_decode_layers(
-            ctypes.byref(self._dims), self._weights, self._scales, m.final_norm.data_ptr(),
+            ctypes.byref(self._dims), self._weights, self._scales, packed,
+            m.final_norm.data_ptr(),
             self._kv.data_ptr(), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), m.cos.data_ptr(), m.sin.data_ptr(), self._num_slots, t,

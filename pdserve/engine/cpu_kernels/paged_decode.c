@@ -549,6 +549,41 @@ int pd_validate(const int32_t *lens, const int32_t *tables, int64_t bt_stride, i
     return 0;
 }
 
+/* Work items of one call, claimed one at a time from *next by every thread that calls this
+ * with the same arguments. Dynamic claiming: sequences differ in length, so a static split
+ * would leave a thread idle while another finishes the long ones. Returns 0, or -1 when
+ * this thread's scratch memory could not be allocated (its items are left to the others;
+ * the caller reports the failure). */
+static int claim_items(const struct args *a, int *next)
+{
+    const item_fn item = pick_item(a->D, a->q_dt, a->kv_dt);
+    const int per_seq = a->Hkv / a->hg, items = a->B * per_seq;
+    float *scratch = malloc(scratch_floats(a) * sizeof(float));
+    if (!scratch)
+        return -1;
+    for (;;) {
+        const int i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= items)
+            break;
+        item(a, i / per_seq, (i % per_seq) * a->hg, scratch);
+    }
+    free(scratch);
+    return 0;
+}
+
+/* A work item takes all KV heads of a sequence (contiguous reads) unless that leaves too
+ * few items to keep every thread busy; then one head each. */
+static struct args make_args(const void *q, int64_t q_stride_b, const void *k, const void *v,
+                             const int32_t *tables, int64_t bt_stride, const int32_t *lens,
+                             void *out, int B, int Hq, int Hkv, int D, int block_size,
+                             float scale, int q_dt, int kv_dt, int num_threads)
+{
+    const int hg = B >= 4 * num_threads ? Hkv : 1;
+    const struct args a = {q, k, v, tables, lens, out, q_stride_b, bt_stride,
+                           B, Hq, Hkv, D, block_size, q_dt, kv_dt, scale, hg};
+    return a;
+}
+
 /* Returns 0, or -1 when scratch memory could not be allocated. */
 int pd_decode(const void *q, int64_t q_stride_b, const void *k, const void *v,
               const int32_t *tables, int64_t bt_stride, const int32_t *lens, void *out, int B,
@@ -557,32 +592,27 @@ int pd_decode(const void *q, int64_t q_stride_b, const void *k, const void *v,
 {
     if (num_threads < 1)
         num_threads = 1;
-    /* A work item takes all KV heads of a sequence (contiguous reads) unless that leaves
-     * too few items to keep every thread busy; then one head each. */
-    const int hg = B >= 4 * num_threads ? Hkv : 1;
-    const struct args a = {q, k, v, tables, lens, out, q_stride_b, bt_stride,
-                           B, Hq, Hkv, D, block_size, q_dt, kv_dt, scale, hg};
-    const item_fn item = pick_item(D, q_dt, kv_dt);
-    const int per_seq = Hkv / hg, items = B * per_seq;
+    const struct args a = make_args(q, q_stride_b, k, v, tables, bt_stride, lens, out, B, Hq,
+                                    Hkv, D, block_size, scale, q_dt, kv_dt, num_threads);
+    const int items = B * (Hkv / a.hg);
     int next = 0, failed = 0;
     if (num_threads > items)
         num_threads = items;
-    /* Dynamic claiming: sequences differ in length, so a static split would leave a
-     * thread idle while another finishes the long ones. */
 #pragma omp parallel num_threads(num_threads)
-    {
-        float *scratch = malloc(scratch_floats(&a) * sizeof(float));
-        if (!scratch) {
-            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-        } else {
-            for (;;) {
-                const int i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
-                if (i >= items)
-                    break;
-                item(&a, i / per_seq, (i % per_seq) * hg, scratch);
-            }
-            free(scratch);
-        }
-    }
+    if (claim_items(&a, &next))
+        __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     return failed ? -1 : 0;
+}
+
+/* pd_decode's work shared by the nt threads of an enclosing parallel region, each calling
+ * it with the same arguments and the same *next (zero before the first of them arrives).
+ * Returns what claim_items returns for this thread. */
+int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void *v,
+                   const int32_t *tables, int64_t bt_stride, const int32_t *lens, void *out,
+                   int B, int Hq, int Hkv, int D, int block_size, float scale, int q_dt,
+                   int kv_dt, int nt, int *next)
+{
+    const struct args a = make_args(q, q_stride_b, k, v, tables, bt_stride, lens, out, B, Hq,
+                                    Hkv, D, block_size, scale, q_dt, kv_dt, nt);
+    return claim_items(&a, next);
 }

@@ -79,32 +79,37 @@ def cpu_linear() -> Linear:
 
 
 def amx_tiles_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
-    """x @ W.T on AMX tiles over a packed copy of each bfloat16 weight, made at its first
-    call and kept while the weight lives (like oneDNN's blocked copy: one more copy of the
-    projections in memory); None for a weight the tiles cannot take. None where this CPU,
-    kernel or build has no AMX."""
-    from pdserve.engine.cpu_kernels.amx_linear import (
-        amx_available,
-        amx_linear,
-        amx_pack,
-        packable,
-    )
+    """x @ W.T on AMX tiles over `amx_packed(weight)`; None for a weight the tiles cannot
+    take. None where this CPU, kernel or build has no AMX."""
+    from pdserve.engine.cpu_kernels.amx_linear import amx_available, amx_linear
 
     if not amx_available():
         return None
-    packed: dict[int, torch.Tensor | None] = {}
 
     def tiles_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        key = id(weight)
-        if key not in packed:
-            packed[key] = amx_pack(weight.contiguous()) if packable(weight) else None
-            weakref.finalize(weight, packed.pop, key, None)
-        p = packed[key]
+        p = amx_packed(weight)
         if p is None or x.shape[1] != weight.shape[1]:
             return None
         return amx_linear(x if x.stride(-1) == 1 else x.contiguous(), p, weight.shape[0])
 
     return tiles_linear
+
+
+# weight id -> its packed copy (None: the tiles cannot take it); dropped with the weight
+_amx_packs: dict[int, torch.Tensor | None] = {}
+
+
+def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The AMX tiles' packed copy of a bfloat16 weight, made at its first use and kept while
+    the weight lives (like oneDNN's blocked copy: one more copy of the projections in
+    memory), shared by the layer loop and the decode stack; None when it cannot be packed."""
+    from pdserve.engine.cpu_kernels.amx_linear import amx_pack, packable
+
+    key = id(weight)
+    if key not in _amx_packs:
+        _amx_packs[key] = amx_pack(weight.contiguous()) if packable(weight) else None
+        weakref.finalize(weight, _amx_packs.pop, key, None)
+    return _amx_packs[key]
 
 
 def pick_linear(device: torch.device, impl: str = "torch") -> Linear:
