@@ -151,6 +151,13 @@ class LlamaModel:
             by_id = {id(getattr(lw, n)): lw.int8[n] for lw in self.layers for n in PROJECTIONS}
             by_id[id(self.lm_head)] = self.lm_head_int8
             self.linear = int8_linear(self.ops.linear, by_id)
+        if self.ops.name == "cpu" and dtype == torch.bfloat16:
+            # the AMX tiles' copies now rather than in the first batched step a request
+            # waits on (~0.3 s for 135M parameters)
+            from pdserve.engine.layers.linear import amx_prepack
+
+            amx_prepack([getattr(lw, n) for lw in self.layers for n in PROJECTIONS]
+                        + [self.lm_head])
         self._decode_stack: tuple[PagedKVCache, Any] | None = None
 
     def _init_rope(self, hf_config: Any) -> None:
@@ -213,7 +220,7 @@ class LlamaModel:
         """The C decode stack (pdserve.engine.cpu_kernels.decode_stack) when this step can
         take it: C layer ops and C attention, a pure decode of at most the stack's max_rows
         rows, no layer hook, no padded row; else None (the layer loop below)."""
-        from pdserve.engine.layers.linear import AMX_MAX_ROWS
+        from pdserve.engine.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS
 
         if (self.ops.name != "cpu" or backend.name != "cpu" or layer_hook is not None
                 or t > AMX_MAX_ROWS or meta.num_decodes != t or t == 0):
@@ -226,6 +233,7 @@ class LlamaModel:
             except ValueError:  # a layout the stack does not take: the loop, every step
                 self._decode_stack = (kv_cache, None)
         stack = self._decode_stack[1]
-        if stack is None or t > stack.max_rows or int(meta.slot_mapping.min()) < 0:
+        if (stack is None or (t > GEMV_MAX_ROWS and t > stack.max_rows)
+                or int(meta.slot_mapping.min()) < 0):
             return None
         return stack

@@ -9,8 +9,10 @@
  *
  * A thread takes its columns 32 at a time (two N-blocks) and x 32 rows at a time (two A
  * tiles, loaded straight from x: 32 inputs of a row are 64 contiguous bytes) into four
- * float32 accumulator tiles (C); the last partial 16 rows are copied into a zero-padded
- * block first so every tile has 16 rows and one tile configuration serves every call.
+ * float32 accumulator tiles (C). Every tile has 16 rows, so one tile configuration serves
+ * every call: al_linear copies the last partial 16 rows into a zero-padded block; al_part
+ * (one thread's share, inside the decode stack's parallel region) reads buffers that have
+ * zeroed rows up to the next multiple of 16.
  * Products of bf16 are exact in float32 and sums are float32, as in oneDNN's bf16 matmul.
  *
  * The tiles are usable only after the process asks the kernel for them

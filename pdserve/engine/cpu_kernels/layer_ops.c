@@ -13,6 +13,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 
 #define PARALLEL_MIN_ELEMS 65536
@@ -26,11 +30,21 @@ static inline void widen(float *dst, const void *src, int64_t off, int n, int dt
         return;
     }
     const uint16_t *s = (const uint16_t *)src + off;
-#pragma omp simd
-    for (int i = 0; i < n; i++)
+    int i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+#endif
+    for (; i < n; i++)
         dst[i] = bf16_to_f32(s[i]);
 }
 
+/* Narrow n float32 to dt. bfloat16 rounds to nearest even, as f32_to_bf16 and torch do:
+ * with AVX512-BF16 one vcvtneps2bf16 per 16 (it also keeps a NaN a NaN), where the scalar
+ * form's NaN test kept gcc from vectorising the loop (~0.5 ns an element: a third of a
+ * bfloat16 prefill's silu_mul). */
 static inline void narrow(void *dst, int64_t off, const float *src, int n, int dt)
 {
     if (dt == DT_F32) {
@@ -38,8 +52,13 @@ static inline void narrow(void *dst, int64_t off, const float *src, int n, int d
         return;
     }
     uint16_t *d = (uint16_t *)dst + off;
-#pragma omp simd
-    for (int i = 0; i < n; i++)
+    int i = 0;
+#ifdef __AVX512BF16__
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(d + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++)
         d[i] = f32_to_bf16(src[i]);
 }
 

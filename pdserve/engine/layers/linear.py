@@ -112,6 +112,15 @@ def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
     return _amx_packs[key]
 
 
+def amx_prepack(weights: list[torch.Tensor]) -> None:
+    """Make the AMX tiles' copies of these weights now (where the CPU has the tiles)."""
+    from pdserve.engine.cpu_kernels.amx_linear import amx_available
+
+    if amx_available():
+        for w in weights:
+            amx_packed(w)
+
+
 def pick_linear(device: torch.device, impl: str = "torch") -> Linear:
     """impl "cpu": `cpu_linear`. Otherwise oneDNN on the CPU where torch has it, elsewhere
     F.linear (cuBLAS on CUDA)."""
