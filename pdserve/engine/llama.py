@@ -151,13 +151,14 @@ class LlamaModel:
             by_id = {id(getattr(lw, n)): lw.int8[n] for lw in self.layers for n in PROJECTIONS}
             by_id[id(self.lm_head)] = self.lm_head_int8
             self.linear = int8_linear(self.ops.linear, by_id)
-        if self.ops.name == "cpu" and dtype == torch.bfloat16:
-            # the AMX tiles' copies now rather than in the first batched step a request
-            # waits on (~0.3 s for 135M parameters)
-            from pdserve.engine.layers.linear import amx_prepack
+        if self.ops.name == "cpu":
+            # the copies the CPU linears keep (oneDNN's blocked weights, the AMX tiles'
+            # packing) now, rather than in the first steps requests wait on: ~0.15-0.3 s
+            # for 135M parameters
+            from pdserve.engine.layers.linear import prepack_cpu_copies
 
-            amx_prepack([getattr(lw, n) for lw in self.layers for n in PROJECTIONS]
-                        + [self.lm_head])
+            prepack_cpu_copies(self.linear, [getattr(lw, n) for lw in self.layers
+                                             for n in PROJECTIONS] + [self.lm_head])
         self._decode_stack: tuple[PagedKVCache, Any] | None = None
 
     def _init_rope(self, hf_config: Any) -> None:

@@ -112,13 +112,16 @@ def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
     return _amx_packs[key]
 
 
-def amx_prepack(weights: list[torch.Tensor]) -> None:
-    """Make the AMX tiles' copies of these weights now (where the CPU has the tiles)."""
+def prepack_cpu_copies(linear: Linear, weights: list[torch.Tensor]) -> None:
+    """Make the copies `cpu_linear` keeps of these weights now: oneDNN's blocked copy (one
+    product of AMX_MAX_ROWS + 1 zero rows each) and, where the CPU has AMX, the tiles'."""
     from pdserve.engine.cpu_kernels.amx_linear import amx_available
 
-    if amx_available():
+    with torch.inference_mode():
         for w in weights:
-            amx_packed(w)
+            linear(torch.zeros(AMX_MAX_ROWS + 1, w.shape[1], dtype=w.dtype), w)
+            if w.dtype == torch.bfloat16 and amx_available():
+                amx_packed(w)
 
 
 def pick_linear(device: torch.device, impl: str = "torch") -> Linear:
