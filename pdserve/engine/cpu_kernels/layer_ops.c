@@ -43,8 +43,9 @@ static inline void widen(float *dst, const void *src, int64_t off, int n, int dt
 
 /* Narrow n float32 to dt. bfloat16 rounds to nearest even, as f32_to_bf16 and torch do:
  * with AVX512-BF16 one vcvtneps2bf16 per 16 (it also keeps a NaN a NaN), where the scalar
- * form's NaN test kept gcc from vectorising the loop (~0.5 ns an element: a third of a
- * bfloat16 prefill's silu_mul). */
+ * form's NaN test kept gcc from vectorising the loop (with the widening above: silu_mul
+ * over 2048 x 1536 bfloat16 elements 1.7-1.8 -> 1.2-1.4 ms, add_rms_norm over 2048 x 576
+ * 0.45-0.52 -> 0.41-0.42 ms on two threads). */
 static inline void narrow(void *dst, int64_t off, const float *src, int n, int dt)
 {
     if (dt == DT_F32) {
