@@ -88,6 +88,7 @@ int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void 
                    int kv_dt, int nt, int *next);
 void al_part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
              int64_t N, int64_t K, void *y, int64_t y_stride, int y_dt, int t, int nt);
+int al_available(void);
 
 /* The shapes of one model and one cache, fixed for its life. */
 struct ds_model {
@@ -224,7 +225,8 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
  * packed: NULL, or 6 per layer likewise, the projections packed for AMX tiles (al_pack),
  * for a bfloat16 batch: then the batched form above runs.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
- * failed; -4 a slot outside the cache (nothing written). */
+ * failed; -4 a slot outside the cache (nothing written); -5 packed weights given where this
+ * build or machine has no AMX tiles (nothing written). */
 int ds_decode_layers(const struct ds_model *m, const void *const *weights,
                      const float *const *scales, const void *const *packed,
                      const void *final_norm, void *cache, void *x, void *out,
@@ -235,6 +237,8 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     for (int64_t b = 0; b < M; b++)
         if (slots[b] < 0 || slots[b] >= num_slots)
             return -4;
+    if (packed && !al_available())
+        return -5;
     if (packed)
         return batched_layers(m, weights, packed, final_norm, cache, x, out, positions, slots,
                               lens, tables, bt_stride, cos_t, sin_t, M, num_threads);

@@ -36,7 +36,9 @@ class DsModel(ctypes.Structure):
 _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers"),
            -2: (ValueError, "a position is outside the RoPE tables"),
            -3: (MemoryError, "the paged decode kernel could not allocate its scratch memory"),
-           -4: (ValueError, "a slot is outside the KV cache")}
+           -4: (ValueError, "a slot is outside the KV cache"),
+           -5: (RuntimeError, "the batched decode stack needs AMX tiles, which this build or "
+                              "machine lacks")}
 
 
 class CpuDecodeStack:
