@@ -67,6 +67,21 @@ static void barrier_wait(struct spin_barrier *b)
     }
 }
 
+/* Called by every thread of a parallel region: its number, the team's size (the team
+ * OpenMP gave, maybe fewer than asked), and the barrier sized to that team. */
+static void join_team(struct spin_barrier *bar, int *t, int *nt)
+{
+#ifdef _OPENMP
+    *t = omp_get_thread_num();
+    *nt = omp_get_num_threads();
+#else
+    *t = 0;
+    *nt = 1;
+#endif
+#pragma omp single
+    bar->threads = *nt;
+}
+
 /* the kernels this file strings together (same library) */
 void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, int dt, int q8);
 size_t gv_xbuf_bytes(int64_t M, int64_t K, int q8);
@@ -149,13 +164,8 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
     struct spin_barrier bar = {0, 0, want};
 #pragma omp parallel num_threads(want)
     {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int t = 0, nt = 1;
-#endif
-#pragma omp single
-        bar.threads = nt;
+        int t, nt;
+        join_team(&bar, &t, &nt);
         /* this thread's rows of the element-wise steps */
         const int64_t r0 = M * t / nt, r1 = M * (t + 1) / nt, rows = r1 - r0;
         char *xr = (char *)x + r0 * H * es, *hr = h + r0 * H * es, *yr = y + r0 * H * es;
@@ -267,13 +277,8 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     struct spin_barrier bar = {0, 0, want};
 #pragma omp parallel num_threads(want)
     {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int t = 0, nt = 1;
-#endif
-#pragma omp single
-        bar.threads = nt; /* the team OpenMP gave, maybe fewer than asked */
+        int t, nt;
+        join_team(&bar, &t, &nt);
         /* thread 0 runs the one-thread steps; the barrier after each publishes them */
         for (int64_t l = 0; l < m->L; l++) {
             const void *const *w = weights + 6 * l;
