@@ -64,7 +64,7 @@ def test_batched_form_gives_the_loops_tokens(tiny_model_dir, monkeypatch):
         seen = []
         real = CpuDecodeStack.run
 
-        def spy(self, x, *a, real=real):
+        def spy(self, x, *a, real=real, seen=seen):
             seen.append(x.shape[0])
             return real(self, x, *a)
 

@@ -194,6 +194,8 @@ class AsyncEngine:
                    abort: Callable[[str], SeqDelta | None] | None = None) -> bool:
         delta = (abort or self.engine.abort_request)(request_id)
         if delta is not None:
+            # as after a step: the stats that count its freed blocks before its last delta
+            self._stats = self._snapshot()
             self._publish([delta])
         return delta is not None
 
