@@ -221,7 +221,7 @@ class LlamaModel:
         """The C decode stack (pdserve.engine.cpu_kernels.decode_stack) when this step can
         take it: C layer ops and C attention, a pure decode of at most the stack's max_rows
         rows, no layer hook, no padded row; else None (the layer loop below)."""
-        from pdserve.engine.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS
+        from pdserve.engine.layers.linear import AMX_MAX_ROWS
 
         if (self.ops.name != "cpu" or backend.name != "cpu" or layer_hook is not None
                 or t > AMX_MAX_ROWS or meta.num_decodes != t or t == 0):
@@ -234,7 +234,6 @@ class LlamaModel:
             except ValueError:  # a layout the stack does not take: the loop, every step
                 self._decode_stack = (kv_cache, None)
         stack = self._decode_stack[1]
-        if (stack is None or (t > GEMV_MAX_ROWS and t > stack.max_rows)
-                or int(meta.slot_mapping.min()) < 0):
+        if stack is None or t > stack.max_rows or int(meta.slot_mapping.min()) < 0:
             return None
         return stack

@@ -93,14 +93,10 @@ static void configure(void)
     _tile_loadconfig(&c);
 }
 
-/* Narrows 16 float32 to bf16 (round to nearest even), or copies them. */
-INLINE void store_row(void *y, int64_t off, const float *c, int y_dt)
+/* Narrows 16 float32 to bf16 (round to nearest even) at y + off. */
+INLINE void store_row(uint16_t *y, int64_t off, const float *c)
 {
-    const __m512 v = _mm512_loadu_ps(c);
-    if (y_dt == DT_F32)
-        _mm512_storeu_ps((float *)y + off, v);
-    else
-        _mm256_storeu_si256((__m256i *)((uint16_t *)y + off), (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_storeu_si256((__m256i *)(y + off), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c)));
 }
 
 /* C tiles (m, n) for MB row blocks a[0..MB) (16 rows each, row stride lda bytes) and NB
@@ -143,8 +139,8 @@ INLINE void block(const char *const *a, const int64_t *lda, const char *const *w
  * Rows at and past the last multiple of 16 come from `tail` (16 zero-padded rows of K) when
  * it is given; NULL: x itself has readable rows up to the next multiple of 16. */
 static void part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *tail,
-                 const uint16_t *packed, int64_t N, int64_t K, void *y, int64_t y_stride,
-                 int y_dt, int t, int nt)
+                 const uint16_t *packed, int64_t N, int64_t K, uint16_t *y, int64_t y_stride,
+                 int t, int nt)
 {
     const int64_t ks = K / KSTEP, nblocks = N / NBLOCK, full = M / MROWS * MROWS;
     /* contiguous N-blocks per thread: each streams one run of the packed weights */
@@ -191,7 +187,7 @@ static void part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t 
                     continue;
                 for (int r = 0; r < MROWS && m0 + ti * MROWS + r < M; r++)
                     store_row(y, (m0 + ti * MROWS + r) * y_stride + (nb + tn) * NBLOCK,
-                              c[ct] + r * NBLOCK, y_dt);
+                              c[ct] + r * NBLOCK);
             }
         }
     }
@@ -203,21 +199,21 @@ static void part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t 
  * decode stack's): x must have readable rows up to the next multiple of 16 past M (their
  * products land in no output row); y [M, N] has row stride y_stride. */
 void al_part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
-             int64_t N, int64_t K, void *y, int64_t y_stride, int y_dt, int t, int nt)
+             int64_t N, int64_t K, uint16_t *y, int64_t y_stride, int t, int nt)
 {
 #ifdef HAVE_AMX
-    part(x, x_stride, M, NULL, packed, N, K, y, y_stride, y_dt, t, nt);
+    part(x, x_stride, M, NULL, packed, N, K, y, y_stride, t, nt);
 #else
     (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)y, (void)y_stride,
-        (void)y_dt, (void)t, (void)nt;
+        (void)t, (void)nt;
 #endif
 }
 
-/* y [M, N] (row stride N, dtype y_dt) = x [M, K] (bf16, row stride x_stride elements) @ W^T
+/* y [M, N] (bf16, row stride N) = x [M, K] (bf16, row stride x_stride elements) @ W^T
  * with W packed by al_pack. Returns 0; -1 when AMX is unavailable or scratch memory could
  * not be had (nothing written). */
 int al_linear(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
-              int64_t N, int64_t K, void *y, int y_dt, int num_threads)
+              int64_t N, int64_t K, uint16_t *y, int num_threads)
 {
 #ifdef HAVE_AMX
     if (!al_available())
@@ -239,16 +235,16 @@ int al_linear(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *pa
 #pragma omp parallel num_threads(num_threads)
     {
 #ifdef _OPENMP
-        part(x, x_stride, M, tail, packed, N, K, y, N, y_dt, omp_get_thread_num(),
+        part(x, x_stride, M, tail, packed, N, K, y, N, omp_get_thread_num(),
              omp_get_num_threads());
 #else
-        part(x, x_stride, M, tail, packed, N, K, y, N, y_dt, 0, 1);
+        part(x, x_stride, M, tail, packed, N, K, y, N, 0, 1);
 #endif
     }
     free(tail);
     return 0;
 #else
-    (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)y, (void)y_dt,
+    (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)y,
         (void)num_threads;
     return -1;
 #endif

@@ -80,7 +80,7 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
     if x.shape[0]:
         if load().al_linear(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), n,
-                            x.shape[1], out.data_ptr(), 1, torch.get_num_threads()):
+                            x.shape[1], out.data_ptr(), torch.get_num_threads()):
             raise RuntimeError("amx_linear: AMX tiles unavailable here, or no memory for the "
                                "padded rows")
     return out

@@ -102,7 +102,7 @@ int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void 
                    int B, int Hq, int Hkv, int D, int block_size, float scale, int q_dt,
                    int kv_dt, int nt, int *next);
 void al_part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
-             int64_t N, int64_t K, void *y, int64_t y_stride, int y_dt, int t, int nt);
+             int64_t N, int64_t K, uint16_t *y, int64_t y_stride, int t, int nt);
 int al_available(void);
 
 /* The shapes of one model and one cache, fixed for its life. */
@@ -147,18 +147,18 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
     for (int64_t b = 0; b < M; b++) /* before any write: rows are split over threads below */
         if (positions[b] < 0 || positions[b] >= m->max_position)
             return -2;
-    char *scratch = malloc((size_t)(M16 * (H + QD + I) + M * (QKV + 2 * I + H)) * es);
+    uint16_t *scratch = malloc((size_t)(M16 * (H + QD + I) + M * (QKV + 2 * I + H)) * es);
     int *next = calloc((size_t)m->L, sizeof(int)); /* attention's work counter per layer */
     if (!scratch || !next) {
         free(scratch);
         free(next);
         return -1;
     }
-    char *h = scratch, *attn = h + M16 * H * es, *act = attn + M16 * QD * es;
-    char *qkv = act + M16 * I * es, *gu = qkv + M * QKV * es, *y = gu + M * 2 * I * es;
-    memset(h + M * H * es, 0, (size_t)((M16 - M) * H) * es);
-    memset(attn + M * QD * es, 0, (size_t)((M16 - M) * QD) * es);
-    memset(act + M * I * es, 0, (size_t)((M16 - M) * I) * es);
+    uint16_t *h = scratch, *attn = h + M16 * H, *act = attn + M16 * QD;
+    uint16_t *qkv = act + M16 * I, *gu = qkv + M * QKV, *y = gu + M * 2 * I;
+    memset(h + M * H, 0, (size_t)((M16 - M) * H) * es);
+    memset(attn + M * QD, 0, (size_t)((M16 - M) * QD) * es);
+    memset(act + M * I, 0, (size_t)((M16 - M) * I) * es);
     int rc = 0;
     const int want = num_threads > 1 ? num_threads : 1;
     struct spin_barrier bar = {0, 0, want};
@@ -168,7 +168,7 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
         join_team(&bar, &t, &nt);
         /* this thread's rows of the element-wise steps */
         const int64_t r0 = M * t / nt, r1 = M * (t + 1) / nt, rows = r1 - r0;
-        char *xr = (char *)x + r0 * H * es, *hr = h + r0 * H * es, *yr = y + r0 * H * es;
+        uint16_t *xr = (uint16_t *)x + r0 * H, *hr = h + r0 * H, *yr = y + r0 * H;
         if (rows)
             lo_add_rms_norm(xr, H, NULL, weights[0], hr, rows, (int)H, m->eps, dt, 1);
         barrier_wait(&bar);
@@ -177,42 +177,37 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
             const uint16_t *const *p = (const uint16_t *const *)packed + 6 * l;
             char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
             char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
-            al_part((const uint16_t *)h, H, M, p[1], QKV, H, qkv, QKV, dt, t, nt);
+            al_part(h, H, M, p[1], QKV, H, qkv, QKV, t, nt);
             barrier_wait(&bar);
-            if (rows) {
-                char *qr = qkv + r0 * QKV * es;
-                if (lo_rope(qr, QKV, positions + r0, cos_t, sin_t, m->max_position, rows,
-                            (int)(m->Hq + m->Hkv), (int)m->D, dt, 1) >= 0)
-                    __atomic_store_n(&rc, -2, __ATOMIC_RELAXED);
-                for (int64_t b = r0; b < r1; b++) {
-                    const char *row = qkv + (size_t)(b * QKV) * es;
-                    store_row(k_cache + (size_t)(slots[b] * KVD) * kv_es, row + QD * es, KVD,
-                              dt, m->kv_dt);
-                    store_row(v_cache + (size_t)(slots[b] * KVD) * kv_es,
-                              row + (QD + KVD) * es, KVD, dt, m->kv_dt);
-                }
+            if (rows) /* positions were checked above: RoPE cannot refuse a row */
+                lo_rope(qkv + r0 * QKV, QKV, positions + r0, cos_t, sin_t, m->max_position,
+                        rows, (int)(m->Hq + m->Hkv), (int)m->D, dt, 1);
+            for (int64_t b = r0; b < r1; b++) {
+                const uint16_t *row = qkv + b * QKV;
+                store_row(k_cache + (size_t)(slots[b] * KVD) * kv_es, row + QD, KVD, dt,
+                          m->kv_dt);
+                store_row(v_cache + (size_t)(slots[b] * KVD) * kv_es, row + QD + KVD, KVD, dt,
+                          m->kv_dt);
             }
             barrier_wait(&bar);
-            if (__atomic_load_n(&rc, __ATOMIC_RELAXED)) /* every thread leaves here */
-                break;
             if (pd_decode_team(qkv, QKV, k_cache, v_cache, tables, bt_stride, lens, attn,
                                (int)M, (int)m->Hq, (int)m->Hkv, (int)m->D, (int)m->block_size,
                                m->scale, dt, m->kv_dt, nt, &next[l]))
                 __atomic_store_n(&rc, -3, __ATOMIC_RELAXED);
             barrier_wait(&bar);
-            if (__atomic_load_n(&rc, __ATOMIC_RELAXED))
+            if (__atomic_load_n(&rc, __ATOMIC_RELAXED)) /* every thread leaves here */
                 break;
-            al_part((const uint16_t *)attn, QD, M, p[2], H, QD, y, H, dt, t, nt);
+            al_part(attn, QD, M, p[2], H, QD, y, H, t, nt);
             barrier_wait(&bar);
             if (rows)
                 lo_add_rms_norm(xr, H, yr, w[3], hr, rows, (int)H, m->eps, dt, 1);
             barrier_wait(&bar);
-            al_part((const uint16_t *)h, H, M, p[4], 2 * I, H, gu, 2 * I, dt, t, nt);
+            al_part(h, H, M, p[4], 2 * I, H, gu, 2 * I, t, nt);
             barrier_wait(&bar);
             if (rows)
-                lo_silu_mul(gu + r0 * 2 * I * es, act + r0 * I * es, rows, (int)I, dt, 1);
+                lo_silu_mul(gu + r0 * 2 * I, act + r0 * I, rows, (int)I, dt, 1);
             barrier_wait(&bar);
-            al_part((const uint16_t *)act, I, M, p[5], H, I, y, H, dt, t, nt);
+            al_part(act, I, M, p[5], H, I, y, H, t, nt);
             barrier_wait(&bar);
             if (rows)
                 lo_add_rms_norm(xr, H, yr, l + 1 < m->L ? weights[6 * (l + 1)] : final_norm,

@@ -18,6 +18,7 @@ import ctypes
 
 import torch
 
+from pdserve.engine.cpu_kernels.amx_linear import amx_available
 from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
 from pdserve.engine.cpu_kernels.paged_decode import MAX_HEAD_DIM, check_tables
 from pdserve.engine.layers.int8 import num_groups
@@ -39,6 +40,21 @@ _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers")
            -4: (ValueError, "a slot is outside the KV cache"),
            -5: (RuntimeError, "the batched decode stack needs AMX tiles, which this build or "
                               "machine lacks")}
+
+
+def _packed_pointers(model, kv_data: torch.Tensor, layer_weights: list[torch.Tensor]
+                     ) -> ctypes.Array | None:
+    """Pointers to the AMX-packed copies of a bfloat16 model's projections (`amx_packed`,
+    made at model load), None in each norm's place; None where the batched form cannot run
+    (not bfloat16, no AMX tiles, a projection the tiles do not take)."""
+    if (model.dtype != torch.bfloat16 or kv_data.dtype != torch.bfloat16
+            or not amx_available()):
+        return None
+    packed = [amx_packed(t) if t.dim() == 2 else None for t in layer_weights]
+    if any(p is None for t, p in zip(layer_weights, packed) if t.dim() == 2):
+        return None
+    return (ctypes.c_void_p * len(packed))(*(None if p is None else p.data_ptr()
+                                             for p in packed))
 
 
 class CpuDecodeStack:
@@ -100,40 +116,17 @@ class CpuDecodeStack:
         self._scales = (ctypes.c_void_p * len(scales))(*scales) if int8 else None
         self._kv = kv_data
         self._model = model
-        self._projections = [getattr(layer, name) for layer in model.layers for name in want]
-        self._packed: ctypes.Array | None | bool = None  # False: cannot batch
+        # the batched form's packed projections (None in a norm's place), or None
+        self._packed = _packed_pointers(model, kv_data, [
+            getattr(layer, name) for layer in model.layers for name in want])
+        # the most rows `run` takes
+        self.max_rows = AMX_MAX_ROWS if self._packed is not None else GEMV_MAX_ROWS
         self._num_slots = kv_data.shape[2] * kv_data.shape[3]
         self._dims = DsModel(
             L=d.num_layers, H=h, Hq=d.num_heads, Hkv=d.num_kv_heads, D=d.head_dim, I=i,
             max_position=d.max_position, block_size=kv_data.shape[3],
             cache_layer_stride=kv_data.stride(0), eps=d.rms_norm_eps,
             scale=d.head_dim ** -0.5, dt=DTYPE_CODES[dt], kv_dt=DTYPE_CODES[kv_data.dtype])
-
-    @property
-    def max_rows(self) -> int:
-        """The most rows `run` takes: AMX_MAX_ROWS where the batched form can run."""
-        return AMX_MAX_ROWS if self._batch_pointers() is not None else GEMV_MAX_ROWS
-
-    def _batch_pointers(self) -> ctypes.Array | None:
-        """The packed projections' pointers (None in a norm's place), made on first use;
-        None where the batched form cannot run (not bfloat16, no AMX, a shape the tiles do
-        not take)."""
-        if self._packed is None:
-            self._packed = False
-            if self._model.dtype == torch.bfloat16 and self._kv.dtype == torch.bfloat16:
-                from pdserve.engine.cpu_kernels.amx_linear import amx_available
-
-                if amx_available():
-                    pointers = []
-                    for t in self._projections:
-                        p = amx_packed(t) if t.dim() == 2 else None
-                        if t.dim() == 2 and p is None:
-                            pointers = None
-                            break
-                        pointers.append(None if p is None else p.data_ptr())
-                    if pointers is not None:
-                        self._packed = (ctypes.c_void_p * len(pointers))(*pointers)
-        return self._packed or None
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -161,7 +154,7 @@ class CpuDecodeStack:
         check_tables(seq_lens, block_tables, self._kv[0, 0])
         if t > self.max_rows:
             raise ValueError(f"{t} rows: the decode stack takes at most {self.max_rows}")
-        packed = self._batch_pointers() if t > GEMV_MAX_ROWS else None
+        packed = self._packed if t > GEMV_MAX_ROWS else None
         out = torch.empty_like(x)
         rc = self._lib.ds_decode_layers(
             ctypes.byref(self._dims), self._weights, self._scales, packed,

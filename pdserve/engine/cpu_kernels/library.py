@@ -121,7 +121,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.al_available.restype = i32
     lib.al_pack.argtypes = [p, i64, i64, p]
     lib.al_pack.restype = None
-    lib.al_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
+    lib.al_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
     lib.al_linear.restype = i32
     # argmax.c
     lib.am_argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
