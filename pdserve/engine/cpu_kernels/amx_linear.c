@@ -23,10 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -233,14 +229,7 @@ int al_linear(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *pa
     if (num_threads < 1)
         num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
-    {
-#ifdef _OPENMP
-        part(x, x_stride, M, tail, packed, N, K, y, N, omp_get_thread_num(),
-             omp_get_num_threads());
-#else
-        part(x, x_stride, M, tail, packed, N, K, y, N, 0, 1);
-#endif
-    }
+    part(x, x_stride, M, tail, packed, N, K, y, N, team_thread(), team_size());
     free(tail);
     return 0;
 #else

@@ -1,6 +1,7 @@
 /* What the CPU kernels share: the dtype codes every entry point takes (library.py's
- * DTYPE_CODES holds the same table for Python), bfloat16 <-> float32, INLINE, and the
- * range-clamped exponentials of the softmax and SiLU loops.
+ * DTYPE_CODES holds the same table for Python), bfloat16 <-> float32, INLINE, a thread's
+ * place in its OpenMP team, and the range-clamped exponentials of the softmax and SiLU
+ * loops.
  * A bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to
  * nearest even as torch does. */
 #ifndef PDSERVE_CPU_KERNELS_COMMON_H
@@ -10,9 +11,33 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #define DT_F32 0
 #define DT_BF16 1
 #define INLINE static inline __attribute__((always_inline))
+
+/* This thread's number in its parallel region, and the region's team size (0 and 1 in a
+ * build without OpenMP). */
+static inline int team_thread(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int team_size(void)
+{
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
 
 static inline float bf16_to_f32(uint16_t h)
 {

@@ -25,9 +25,6 @@
 #include <sched.h>
 #include <stdatomic.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
@@ -71,13 +68,8 @@ static void barrier_wait(struct spin_barrier *b)
  * OpenMP gave, maybe fewer than asked), and the barrier sized to that team. */
 static void join_team(struct spin_barrier *bar, int *t, int *nt)
 {
-#ifdef _OPENMP
-    *t = omp_get_thread_num();
-    *nt = omp_get_num_threads();
-#else
-    *t = 0;
-    *nt = 1;
-#endif
+    *t = team_thread();
+    *nt = team_size();
 #pragma omp single
     bar->threads = *nt;
 }

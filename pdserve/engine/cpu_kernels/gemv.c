@@ -28,9 +28,6 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define XB 8 /* rows of x against one weight row per pass (their float32 copies sit in L1) */
 #define PARALLEL_MIN_WEIGHTS 65536 /* below this, waking a second thread costs more */
@@ -460,14 +457,7 @@ int gv_linear(const void *x, int64_t x_stride, const void *w, const float *scale
     const int threads = N * K >= PARALLEL_MIN_WEIGHTS && num_threads > 1
                             ? (N < num_threads ? (int)N : num_threads) : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-#ifdef _OPENMP
-        gv_part(xf, w, scales, y, y_stride, M, N, K, dt, omp_get_thread_num(),
-                omp_get_num_threads());
-#else
-        gv_part(xf, w, scales, y, y_stride, M, N, K, dt, 0, 1);
-#endif
-    }
+    gv_part(xf, w, scales, y, y_stride, M, N, K, dt, team_thread(), team_size());
     free(xf);
     return 0;
 }
