@@ -43,12 +43,12 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from pdserve import rpc
 from pdserve.bench.report_io import emit_report
+from pdserve.bench.thread_cpu import process_cpu_s
 from pdserve.cluster import LocalCluster
 from pdserve.cluster_auth import ClusterCredentials
 from pdserve.convert import kv_spec_from_proto
@@ -86,18 +86,6 @@ def pin_this_process(cores: tuple[int, ...] | None) -> None:
             os.sched_setaffinity(int(tid), cores)
         except OSError:  # the thread ended meanwhile
             pass
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU time of every live thread of `pid`, in seconds (schedstat: nanoseconds, where
-    /proc/PID/stat only counts 10 ms ticks)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total / 1e9
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,11 @@ One run:
    OpenAI HTTP API, streamed, all at once;
 3. print, per N, the engine's TPOT and pure decode-step time, the served TPOT, and
    served / engine; for N = 1 also the weight bytes a decode step reads and the achieved
-   GB/s (the bandwidth a batch-1 decode reaches; the machine's bound is the comparison).
+   GB/s (the bandwidth a batch-1 decode reaches; the machine's bound is the comparison);
+4. and, over the served side, the CPU each tier spent per output token (/proc): the
+   gateway, the workers outside their engine threads (event loop, gRPC, stream plumbing),
+   the engine threads, and this client. On cores shared with the engine, what the tiers
+   and the client spend is what the served TPOT pays on top of the engine's.
 
 TPOT is measured the same way on both sides: (last token - first token) / (tokens - 1)
 per request, the mean over requests. `python -m pdserve.bench.served_overhead --help`.
@@ -31,9 +35,18 @@ from dataclasses import asdict, dataclass
 from pdserve.bench.clients import OpenAIHTTPClient
 from pdserve.bench.metrics import tpot_s
 from pdserve.bench.runner import run_benchmark
+from pdserve.bench.thread_cpu import ThreadCPU, cpu_between, threads_cpu
 from pdserve.bench.workloads import BenchRequest, fixed
 from pdserve.cli_up import usable_cores
-from pdserve.cluster import ClusterConfig, Layout, LocalCluster, assign_cpus, choose_layout
+from pdserve.cluster import (
+    ClusterConfig,
+    Endpoints,
+    Layout,
+    LocalCluster,
+    assign_cpus,
+    choose_layout,
+)
+from pdserve.os_thread import ENGINE_THREAD_NAME
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,27 @@ class EngineSide:
     tpot_ms: float  # mean over requests, as a client would count it
     decode_step_ms: float  # mean of the steps that decoded all N and prefilled nothing
     weight_bytes: int  # what one decode step streams from memory (linears + lm_head)
+
+
+@dataclass(frozen=True)
+class TierCPU:
+    """CPU microseconds per output token over the served side, by where it was spent."""
+
+    gateway_us: float
+    worker_us: float  # the workers' threads other than the engine's
+    engine_us: float  # the engine threads (and their OpenMP teams)
+    client_us: float  # this benchmark's own HTTP client
+
+    @classmethod
+    def between(cls, before: list[ThreadCPU], after: list[ThreadCPU], gateway_pid: int,
+                client_pid: int, tokens: int) -> TierCPU:
+        us = {"gateway": 0.0, "worker": 0.0, "engine": 0.0, "client": 0.0}
+        for t in cpu_between(before, after):
+            where = ("gateway" if t.pid == gateway_pid else "client" if t.pid == client_pid
+                     else "engine" if t.name == ENGINE_THREAD_NAME else "worker")
+            us[where] += t.cpu_s
+        n = max(tokens, 1)
+        return cls(**{f"{k}_us": 1e6 * v / n for k, v in us.items()})
 
 
 @dataclass(frozen=True)
@@ -52,6 +86,7 @@ class Row:
     served_tpot_ms: float
     served_lost: int
     weight_gb_per_s: float | None  # batch 1 only
+    cpu: TierCPU
 
     @property
     def ratio(self) -> float:
@@ -99,15 +134,24 @@ def engine_side(engine, requests: list[BenchRequest]) -> EngineSide:
                       weight_bytes(engine.model))
 
 
-async def served_side(base_url: str, model: str, requests: list[BenchRequest]
-                      ) -> tuple[float, int]:
-    """(mean TPOT ms, requests lost) of `requests` sent at once through the gateway."""
-    async with OpenAIHTTPClient(base_url, model, endpoint="completions",
+def _cluster_threads(endpoints: Endpoints) -> list[ThreadCPU]:
+    pids = [endpoints.gateway_pid, os.getpid(), *(w.pid for w in endpoints.workers)]
+    return [t for pid in pids for t in threads_cpu(pid)]
+
+
+async def served_side(endpoints: Endpoints, model: str, requests: list[BenchRequest]
+                      ) -> tuple[float, int, TierCPU]:
+    """(mean TPOT ms, requests lost, CPU per token by tier) of `requests` sent at once
+    through the gateway."""
+    before = _cluster_threads(endpoints)
+    async with OpenAIHTTPClient(endpoints.http_url, model, endpoint="completions",
                                 extra_body={"temperature": 0}) as client:
         result = await run_benchmark(client, requests, label="served", progress=False)
+    cpu = TierCPU.between(before, _cluster_threads(endpoints), endpoints.gateway_pid,
+                          os.getpid(), sum(r.output_tokens for r in result.records if r.ok))
     ok = [r for r in result.records if r.ok]
     tpots = [v for v in map(tpot_s, ok) if v is not None]
-    return 1e3 * statistics.mean(tpots), len(result.records) - len(ok)
+    return 1e3 * statistics.mean(tpots), len(result.records) - len(ok), cpu
 
 
 def _layout(a: argparse.Namespace) -> Layout:
@@ -154,11 +198,11 @@ def run(a: argparse.Namespace) -> list[Row]:
                     eng = engine_side(engine, reqs)
                 finally:
                     os.sched_setaffinity(0, own)
-                served, lost = asyncio.run(served_side(endpoints.http_url, a.model, reqs))
+                served, lost, cpu = asyncio.run(served_side(endpoints, a.model, reqs))
                 gbs = None
                 if n == 1:
                     gbs = eng.weight_bytes / (eng.decode_step_ms / 1e3) / 1e9
-                row = Row(n, rnd, eng.tpot_ms, eng.decode_step_ms, served, lost, gbs)
+                row = Row(n, rnd, eng.tpot_ms, eng.decode_step_ms, served, lost, gbs, cpu)
                 rows.append(row)
                 print(_line(row), flush=True)
     finally:
@@ -168,10 +212,13 @@ def run(a: argparse.Namespace) -> list[Row]:
 
 def _line(r: Row) -> str:
     gbs = f"   weights {r.weight_gb_per_s:.1f} GB/s" if r.weight_gb_per_s is not None else ""
+    c = r.cpu
     return (f"streams {r.streams:>3} round {r.round}: engine TPOT {r.engine_tpot_ms:7.1f} ms "
             f"(decode step {r.engine_decode_step_ms:7.1f} ms)   served TPOT "
             f"{r.served_tpot_ms:7.1f} ms   served/engine {r.ratio:.3f}   lost "
-            f"{r.served_lost}{gbs}")
+            f"{r.served_lost}{gbs}\n    CPU us per output token: gateway {c.gateway_us:.0f}, "
+            f"workers outside the engine {c.worker_us:.0f}, engine {c.engine_us:.0f}, "
+            f"client {c.client_us:.0f}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ import torch
 from pdserve.engine.kv_connector import KVReservation, KVSaver
 from pdserve.engine.llm_engine import LLMEngine, SeqDelta
 from pdserve.engine.sequence import SequenceStatus
+from pdserve.os_thread import ENGINE_THREAD_NAME, name_this_thread
 from pdserve.protocol import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("pdserve.engine")
@@ -267,6 +268,7 @@ class AsyncEngine:
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        name_this_thread(ENGINE_THREAD_NAME)
         eng = self.engine
         while True:
             block = not eng.has_unfinished()
