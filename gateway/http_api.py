@@ -148,8 +148,16 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(
             self.prompts.executor, decode_body, raw)
 
-    async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
-        """A write the client must take within the write timeout (TimeoutError if not)."""
+    async def _write(self, resp: web.StreamResponse, data: bytes,
+                     transport: asyncio.Transport | None) -> None:
+        """A write the client must take within the write timeout (TimeoutError if not).
+        A write can wait only once the socket's buffer passes its high-water mark (the
+        reader fell behind): below it, the timer a timeout arms and disarms per token is
+        skipped."""
+        if transport is not None and (transport.get_write_buffer_size() + len(data)
+                                      < transport.get_write_buffer_limits()[1]):
+            await resp.write(data)
+            return
         async with asyncio.timeout(self.write_timeout_s):
             await resp.write(data)
 
@@ -164,21 +172,22 @@ class OpenAIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        sock = request.transport
         d: GenerationDelta | None = first
         is_first = True
         try:
             try:
                 while d is not None:
-                    await self._write(resp, _sse(render.chunk(d, is_first)))
+                    await self._write(resp, _sse(render.chunk(d, is_first)), sock)
                     is_first = False
                     if d.finished:
                         if render.req.include_usage and d.usage is not None:
-                            await self._write(resp, _sse(render.usage_chunk(d.usage)))
+                            await self._write(resp, _sse(render.usage_chunk(d.usage)), sock)
                         break
                     d = await anext(deltas, None)
             except GatewayError as e:  # headers are sent: the error goes in the stream
-                await self._write(resp, _sse(error_json(e)))
-            await self._write(resp, b"data: [DONE]\n\n")
+                await self._write(resp, _sse(error_json(e)), sock)
+            await self._write(resp, b"data: [DONE]\n\n", sock)
             await resp.write_eof()
         except TimeoutError:
             # a reader this slow would grow our buffers without bound: drop it (leaving

@@ -111,6 +111,9 @@ class _Outbox:
         self.timeout_s = timeout_s
 
     async def put(self, d: GenerationDelta) -> None:
+        if self._q.qsize() < self.limit:  # room: no timer to arm for a wait that cannot come
+            self._q.put_nowait(d)
+            return
         try:
             async with asyncio.timeout(self.timeout_s):
                 while self._q.qsize() >= self.limit:

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.addresses import addresses
 from pdserve.engine.block_hash import block_hashes
+from pdserve.engine.detokenizer import window_decoder
 from pdserve.engine.kv_spec import KVCacheSpec
 from pdserve.gateway.admission import AdmissionController, Overloaded
 from pdserve.gateway.errors import ErrorKind, GatewayError
@@ -164,6 +165,29 @@ def test_detokenizer_never_splits_multibyte_characters(tokenizer):
     deltas.append(out.finish())
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_window_decoder_is_the_backend_where_decode_would_return_the_same(tokenizer):
+    import random
+
+    rng = random.Random(0)
+    special = sorted(tokenizer.all_special_ids)
+    assert tokenizer.clean_up_tokenization_spaces is False  # SmolLM2's: the backend path
+    for skip in (True, False):
+        fast = window_decoder(tokenizer, skip)
+        for _ in range(300):  # windows as the detokenizer decodes them, specials mixed in
+            ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(49152)
+                   for _ in range(rng.randint(1, 12))]
+            assert fast(ids) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+    class CleansSpaces:  # a tokenizer whose decode post-processes: its own decode is used
+        backend_tokenizer = tokenizer.backend_tokenizer
+        clean_up_tokenization_spaces = True
+
+        def decode(self, ids, skip_special_tokens):
+            return "cleaned"
+
+    assert window_decoder(CleansSpaces(), True)([1, 2]) == "cleaned"
 
 
 def test_stop_string_across_token_boundaries(tokenizer):

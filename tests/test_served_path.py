@@ -1,21 +1,27 @@
 """The served path's per-token plumbing: the engine's deltas reach a stream in batches (all
 that are queued when the reader comes back), the decode worker sends each batch as one
-TokenChunk, and an idle stream still gets its keepalives."""
+TokenChunk, and an idle stream still gets its keepalives, which never come before tokens
+that are queued."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
 from conftest import assert_pool_clean, tiny_engine
 
+from pdserve.bench.thread_cpu import cpu_between, threads_cpu
 from pdserve.decode_worker.reservations import ReservationTable
 from pdserve.decode_worker.service import DecodeService
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.metrics import TierMetrics, TokenTimer
+from pdserve.os_thread import ENGINE_THREAD_NAME
 from pdserve.protocol import SamplingParams
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
 
 async def _until_finished(aeng: AsyncEngine) -> None:
@@ -87,3 +93,47 @@ def test_decode_worker_sends_queued_tokens_as_one_chunk(tiny_model_dir):
         assert timer.count == 12
 
     asyncio.run(main())
+
+
+def test_keepalives_give_way_to_queued_tokens(tiny_model_dir):
+    async def main():
+        eng = tiny_engine(tiny_model_dir, num_threads=1)
+        aeng = AsyncEngine(eng)
+        aeng.start()
+        try:
+            await aeng.add_request("k", PROMPT, LONG)
+            it = aiter(aeng.stream_batches("k", idle_s=0.05))
+            first = await anext(it)  # the stream's idle timer runs from here
+            await _until_finished(aeng)
+            await asyncio.sleep(0.3)  # several idle periods with every token queued
+            rest = [b async for b in it]
+        finally:
+            await aeng.stop()
+        batches = [first, *rest]
+        assert all(batches), "an empty batch came while tokens were queued"
+        ids = [t for b in batches for d in b for t in d.new_token_ids]
+        assert len(ids) == LONG.max_tokens and batches[-1][-1].finished
+        assert len(first) < LONG.max_tokens  # the rest waited through the idle periods
+        assert_pool_clean(eng)
+
+    asyncio.run(main())
+
+
+def test_the_engine_thread_has_a_kernel_name_and_its_cpu_is_counted(tiny_model_dir):
+    async def main():
+        eng = tiny_engine(tiny_model_dir, num_threads=1)
+        aeng = AsyncEngine(eng)
+        aeng.start()
+        try:
+            before = threads_cpu(os.getpid())
+            assert [d async for d in aeng.generate("n", PROMPT, GREEDY)][-1].finished
+            after = threads_cpu(os.getpid())
+        finally:
+            await aeng.stop()
+        return cpu_between(before, after)
+
+    spent = asyncio.run(main())
+    engine = [t for t in spent if t.name == ENGINE_THREAD_NAME]
+    assert engine and sum(t.cpu_s for t in engine) > 0  # 12 tokens took it some time
+    main_tid = threading.main_thread().native_id
+    assert all(t.name != ENGINE_THREAD_NAME for t in spent if t.tid == main_tid)

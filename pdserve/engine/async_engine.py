@@ -70,6 +70,36 @@ class EngineStats:
 _STOP = object()
 
 
+# queued by a stream's _IdleTimer: "nothing for idle_s", read as an empty batch
+_KEEPALIVE = object()
+
+
+class _IdleTimer:
+    """Queues _KEEPALIVE on a stream once `idle_s` passes without a batch read from it.
+    One timer per stream, re-armed when it fires: a timeout around every wait armed and
+    cancelled a timer per token, ~a quarter of a streamed token's Python in the worker."""
+
+    def __init__(self, q: asyncio.Queue, idle_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._q, self._idle_s = q, idle_s
+        self._last = self._loop.time()
+        self._handle = self._loop.call_at(self._last + idle_s, self._fire)
+
+    def touch(self) -> None:
+        self._last = self._loop.time()
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        due = self._last + self._idle_s
+        if now >= due:
+            self._q.put_nowait(_KEEPALIVE)
+            self._last, due = now, now + self._idle_s
+        self._handle = self._loop.call_at(due, self._fire)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_prefix_hashes: int = 0) -> None:
         """max_prefix_hashes: how many cached prefix hashes the stats carry (0: none)."""
@@ -148,36 +178,37 @@ class AsyncEngine:
         """A request's deltas, every one queued when the reader comes back taken at once
         (a reader slower than the engine gets several steps per batch, so it pays its
         per-message cost once for all of them); with `idle_s`, an empty batch whenever that
-        long passes without a delta. The last batch ends with the finished delta. Leaving
+        long passes without one. The last batch ends with the finished delta. Leaving
         early aborts the request."""
         q = self._streams.get(request_id)
         if q is None:
             raise KeyError(request_id)
+        idle = _IdleTimer(q, idle_s) if idle_s is not None else None
         finished = False
         try:
             while not finished:
-                if q.empty() and idle_s is not None:
-                    try:
-                        async with asyncio.timeout(idle_s):
-                            first = await q.get()  # cancel-safe: nothing is lost on timeout
-                    except TimeoutError:
-                        yield []
-                        continue
-                else:
-                    first = await q.get()
+                item = await q.get()
                 batch: list[SeqDelta] = []
-                item = first
                 while not isinstance(item, BaseException):
-                    batch.append(item)
-                    if item.finished or q.empty():
+                    if item is not _KEEPALIVE:
+                        batch.append(item)
+                        if item.finished:
+                            break
+                    if q.empty():
                         break
                     item = q.get_nowait()
                 if batch:
                     finished = batch[-1].finished
+                    if idle is not None:
+                        idle.touch()
                     yield batch
+                elif item is _KEEPALIVE:
+                    yield []
                 if isinstance(item, BaseException):
                     raise item
         finally:
+            if idle is not None:
+                idle.cancel()
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
