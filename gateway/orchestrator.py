@@ -134,6 +134,39 @@ class _Outbox:
         return item
 
 
+class _StallWatch:
+    """Cancels a token stream's call when one read has waited `idle_s` (the worker
+    stalled); `stalled` then tells that cancellation from others. One timer per stream,
+    re-armed when it fires: a timeout around every read armed and cancelled a timer per
+    token message. Time the reader spends away from the call (the client slower than the
+    worker) does not count."""
+
+    def __init__(self, call: grpc.aio.Call, idle_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._call, self._idle_s = call, idle_s
+        self._since: float | None = None  # when the pending read began; None: no read
+        self.stalled = False
+        self._handle = self._loop.call_at(self._loop.time() + idle_s, self._fire)
+
+    def reading(self) -> None:
+        self._since = self._loop.time()
+
+    def idle(self) -> None:
+        self._since = None
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        if self._since is not None and now - self._since >= self._idle_s:
+            self.stalled = True
+            self._call.cancel()
+            return
+        self._handle = self._loop.call_at(
+            (self._since if self._since is not None else now) + self._idle_s, self._fire)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, channels: WorkerChannels,
                  admission: AdmissionController, metrics: TierMetrics, tokenizer: Any | None,
@@ -376,25 +409,29 @@ class Orchestrator:
 
     async def _chunks(self, call, slot: Slot) -> AsyncIterator[decode_pb2.TokenChunk]:
         """A token stream's messages under the liveness bound: each must arrive within
-        `stream_idle_s` of the last (keepalive chunks count), else UNAVAILABLE; at once
-        `WorkerLost` when the registry drops the worker."""
+        `stream_idle_s` of the read that waits for it (keepalive chunks count), else
+        UNAVAILABLE; at once `WorkerLost` when the registry drops the worker."""
         who = f"decode worker {slot.worker.address}"
+        watch = _StallWatch(call, self.stream_idle_s)
         # around the whole stream, not each read: this loop runs per token message
-        with ended_by_drop(slot):
-            while True:
-                try:
-                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a
-                    # cancellation that lands as the read completes, and with tokens arriving
-                    # every few ms a client that left kept its request streaming into a full
-                    # outbox
-                    async with asyncio.timeout(self.stream_idle_s):
+        try:
+            with ended_by_drop(slot):
+                while True:
+                    watch.reading()
+                    try:
                         ch = await call.read()
-                except TimeoutError:
-                    raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} sent nothing for "
-                                       f"{self.stream_idle_s:g}s (stalled?)") from None
-                if ch is grpc.aio.EOF:
-                    return
-                yield ch
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if watch.stalled and not (task is not None and task.cancelling()):
+                            raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} sent nothing for "
+                                               f"{self.stream_idle_s:g}s (stalled?)") from None
+                        raise
+                    watch.idle()
+                    if ch is grpc.aio.EOF:
+                        return
+                    yield ch
+        finally:
+            watch.cancel()
 
     async def _colocated(self, req: GenerationRequest, decodes: list[Worker], trace: _Trace
                          ) -> AsyncIterator[decode_pb2.TokenChunk]:

@@ -4,6 +4,7 @@ detokenization across multi-byte characters, OpenAI body parsing and validation.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -259,3 +260,56 @@ def test_openai_parsing():
     with pytest.raises(GatewayError) as e:
         parse_chat({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2})
     assert e.value.param == "top_logprobs"
+
+
+# -- token stream liveness --------------------------------------------------------------------
+def test_token_stream_stall_is_unavailable_but_a_slow_reader_is_not():
+    """A worker that stops sending mid-stream: UNAVAILABLE once a read has waited the idle
+    bound, its call cancelled; a reader that is itself slow between messages is not a
+    stall (only a read's own wait counts)."""
+    import grpc
+
+    from pdserve.gateway.inflight import InFlight
+    from pdserve.gateway.orchestrator import Orchestrator
+    from pdserve.gateway.registry import Worker
+    from pdserve.protos.pdserve.v1 import decode_pb2
+
+    idle = 0.3
+
+    async def tokens(request: bytes, context):
+        for i in range(3):
+            yield decode_pb2.TokenChunk(token_ids=[i]).SerializeToString()
+            if request == b"stall" and i == 1:
+                await asyncio.sleep(30)  # stops sending: the gateway must give up
+
+    async def main():
+        srv = grpc.aio.server()
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "t.Tokens", {"Get": grpc.unary_stream_rpc_method_handler(tokens)}),))
+        port = srv.add_insecure_port("127.0.0.1:0")
+        await srv.start()
+        orch = Orchestrator(None, None, None, None, None, stream_idle_s=idle)
+        w = Worker("d", Role.DECODE, f"127.0.0.1:{port}", "m", SPEC, Load(), 0.0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                get = ch.unary_stream("/t.Tokens/Get",
+                                      response_deserializer=decode_pb2.TokenChunk.FromString)
+                slow = []
+                async for c in orch._chunks(get(b"slow"), InFlight().open(w)):
+                    slow.append(list(c.token_ids))
+                    await asyncio.sleep(2 * idle)  # the reader away, not the worker
+                call = get(b"stall")
+                got, t0 = [], time.monotonic()
+                with pytest.raises(GatewayError) as e:
+                    async for c in orch._chunks(call, InFlight().open(w)):
+                        got.append(list(c.token_ids))
+                waited = time.monotonic() - t0
+                return slow, got, e.value, call.cancelled(), waited
+        finally:
+            await srv.stop(None)
+
+    slow, got, err, cancelled, waited = asyncio.run(main())
+    assert slow == [[0], [1], [2]]
+    assert got == [[0], [1]] and err.kind is ErrorKind.UNAVAILABLE
+    assert "sent nothing for 0.3s" in err.message and cancelled
+    assert idle <= waited < idle + 2.0
