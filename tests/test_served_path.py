@@ -6,6 +6,7 @@ that are queued."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 
@@ -24,6 +25,17 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
 
+@contextlib.asynccontextmanager
+async def _running(tiny_model_dir):
+    """A started AsyncEngine on the tiny model (one thread), stopped on the way out."""
+    aeng = AsyncEngine(tiny_engine(tiny_model_dir, num_threads=1))
+    aeng.start()
+    try:
+        yield aeng
+    finally:
+        await aeng.stop()
+
+
 async def _until_finished(aeng: AsyncEngine) -> None:
     for _ in range(600):
         if not aeng.engine.seqs and aeng.stats().running == 0:
@@ -34,30 +46,22 @@ async def _until_finished(aeng: AsyncEngine) -> None:
 
 def test_queued_deltas_come_as_one_batch_with_the_same_tokens(tiny_model_dir):
     async def main():
-        eng = tiny_engine(tiny_model_dir, num_threads=1)
-        aeng = AsyncEngine(eng)
-        aeng.start()
-        try:
+        async with _running(tiny_model_dir) as aeng:
             one_by_one = [d async for d in aeng.generate("a", PROMPT, GREEDY)]
             await aeng.add_request("b", PROMPT, GREEDY)
             await _until_finished(aeng)  # every step done before the reader comes
             batches = [b async for b in aeng.stream_batches("b")]
-        finally:
-            await aeng.stop()
         assert len(batches) == 1 and len(batches[0]) == 12
         assert [d.new_token_ids for d in batches[0]] == [d.new_token_ids for d in one_by_one]
         assert batches[0][-1].finished and not any(d.finished for d in batches[0][:-1])
-        assert_pool_clean(eng)
+        assert_pool_clean(aeng.engine)
 
     asyncio.run(main())
 
 
 def test_idle_stream_gets_empty_batches_then_its_end(tiny_model_dir):
     async def main():
-        eng = tiny_engine(tiny_model_dir, num_threads=1)
-        aeng = AsyncEngine(eng)
-        aeng.start()
-        try:
+        async with _running(tiny_model_dir) as aeng:
             await aeng.reserve("r", PROMPT, GREEDY)  # KV never comes: the stream is idle
             it = aiter(aeng.stream_batches("r", idle_s=0.05))
             assert await anext(it) == []
@@ -65,28 +69,21 @@ def test_idle_stream_gets_empty_batches_then_its_end(tiny_model_dir):
             assert await aeng.cancel_reservation("r")
             last = await anext(it)
             assert [d.finish_reason for d in last] == ["abort"]
-        finally:
-            await aeng.stop()
-        assert_pool_clean(eng)
+        assert_pool_clean(aeng.engine)
 
     asyncio.run(main())
 
 
 def test_decode_worker_sends_queued_tokens_as_one_chunk(tiny_model_dir):
     async def main():
-        eng = tiny_engine(tiny_model_dir, num_threads=1)
-        aeng = AsyncEngine(eng)
-        aeng.start()
-        metrics = TierMetrics("tiny", "decode", "d0")
-        svc = DecodeService(aeng, ReservationTable(aeng, 30.0), metrics, stats=None,
-                            keepalive_s=5.0)
-        try:
+        async with _running(tiny_model_dir) as aeng:
+            metrics = TierMetrics("tiny", "decode", "d0")
+            svc = DecodeService(aeng, ReservationTable(aeng, 30.0), metrics, stats=None,
+                                keepalive_s=5.0)
             await aeng.add_request("c", PROMPT, GREEDY)
             await _until_finished(aeng)
             timer = TokenTimer(metrics, 0.0)
             chunks = [c async for c in svc._stream("c", timer, None)]
-        finally:
-            await aeng.stop()
         assert len(chunks) == 1
         assert len(chunks[0].token_ids) == 12 and chunks[0].num_output_tokens == 12
         assert chunks[0].finish_reason  # the last delta's reason rides the same message
@@ -97,39 +94,29 @@ def test_decode_worker_sends_queued_tokens_as_one_chunk(tiny_model_dir):
 
 def test_keepalives_give_way_to_queued_tokens(tiny_model_dir):
     async def main():
-        eng = tiny_engine(tiny_model_dir, num_threads=1)
-        aeng = AsyncEngine(eng)
-        aeng.start()
-        try:
+        async with _running(tiny_model_dir) as aeng:
             await aeng.add_request("k", PROMPT, LONG)
             it = aiter(aeng.stream_batches("k", idle_s=0.05))
             first = await anext(it)  # the stream's idle timer runs from here
             await _until_finished(aeng)
             await asyncio.sleep(0.3)  # several idle periods with every token queued
             rest = [b async for b in it]
-        finally:
-            await aeng.stop()
         batches = [first, *rest]
         assert all(batches), "an empty batch came while tokens were queued"
         ids = [t for b in batches for d in b for t in d.new_token_ids]
         assert len(ids) == LONG.max_tokens and batches[-1][-1].finished
         assert len(first) < LONG.max_tokens  # the rest waited through the idle periods
-        assert_pool_clean(eng)
+        assert_pool_clean(aeng.engine)
 
     asyncio.run(main())
 
 
 def test_the_engine_thread_has_a_kernel_name_and_its_cpu_is_counted(tiny_model_dir):
     async def main():
-        eng = tiny_engine(tiny_model_dir, num_threads=1)
-        aeng = AsyncEngine(eng)
-        aeng.start()
-        try:
+        async with _running(tiny_model_dir) as aeng:
             before = threads_cpu(os.getpid())
             assert [d async for d in aeng.generate("n", PROMPT, GREEDY)][-1].finished
             after = threads_cpu(os.getpid())
-        finally:
-            await aeng.stop()
         return cpu_between(before, after)
 
     spent = asyncio.run(main())
