@@ -48,7 +48,8 @@ class DecodeTier:
             on_released=lambda rid: shm.finish(rid, clean=False) if shm else None)
         self.table.start()
         self.service = DecodeService(worker.aengine, self.table, worker.metrics, worker.stats,
-                                     shm, keepalive_s=worker.config.stream_keepalive_s)
+                                     shm, keepalive_s=worker.config.stream_keepalive_s,
+                                     stream_interval=worker.config.stream_interval)
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, server)
         self.kv_receiver = KVTransferService(self.table, shm)
         self.kv_receiver.add_to_server(server)

@@ -10,6 +10,9 @@
 A stream that ends early (client gone, cancelled) aborts its request, so blocks never leak.
 A stream with nothing to say for `keepalive_s` (waiting for KV, queued, a slow prefill)
 sends an empty TokenChunk, so the gateway can tell a quiet worker from a stalled one.
+With `stream_interval` N > 1 a request's tokens go out N at a time (its first token, its
+end, and whatever is held when a keepalive is due go out at once): N tokens then cost one
+message through this worker, the gateway and the client's stream.
 Engine failures end a stream with INTERNAL and the reason; an engine stopped under it with
 UNAVAILABLE.
 """
@@ -40,10 +43,13 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, aengine: AsyncEngine, table: ReservationTable, metrics: TierMetrics,
                  stats: Callable[[], Awaitable[common_pb2.StatsResponse]],
                  shm: ShmSegmentPool | None = None,
-                 keepalive_s: float = STREAM_KEEPALIVE_S) -> None:
+                 keepalive_s: float = STREAM_KEEPALIVE_S, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval: must be >= 1, not {stream_interval}")
         self.aengine = aengine
         self.shm = shm
         self.keepalive_s = keepalive_s
+        self.stream_interval = stream_interval
         self.table = table
         self.metrics = metrics
         self._stats = stats
@@ -112,29 +118,46 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     async def _stream(self, request_id: str, timer: TokenTimer, reservation_id: str | None
                       ) -> AsyncIterator[decode_pb2.TokenChunk]:
         """One TokenChunk per batch of deltas: when the engine is ahead of this stream (a
-        burst, a slow reader) every token already produced goes out in one message."""
+        burst, a slow reader) every token already produced goes out in one message; with a
+        stream interval, batches are held until that many tokens are ready."""
+        held: list[SeqDelta] = []
+        sent_first = False
         async for batch in self.aengine.stream_batches(request_id, self.keepalive_s):
             if not batch:
-                yield decode_pb2.TokenChunk()  # keepalive: no tokens, not finished
+                if held:  # a keepalive is due: what is held goes instead
+                    yield self._chunk(held, timer, reservation_id)
+                    held = []
+                else:
+                    yield decode_pb2.TokenChunk()  # keepalive: no tokens, not finished
                 continue
-            last = batch[-1]
-            if len(batch) == 1:
-                ids, lps = last.new_token_ids, last.new_logprobs
-            else:
-                ids = [t for d in batch for t in d.new_token_ids]
-                lps = [lp for d in batch for lp in d.new_logprobs]
-            timer.arrived(len(ids))
-            chunk = decode_pb2.TokenChunk(
-                token_ids=ids, num_prompt_tokens=last.num_prompt_tokens,
-                num_output_tokens=last.num_output_tokens,
-                num_cached_tokens=last.num_cached_tokens)
-            if lps:
-                chunk.logprobs.extend(logprobs_to_proto(lp) for lp in lps)
-            if last.finished:
-                chunk.finish_reason = finish_to_proto(last.finish_reason or ABORT)
-                chunk.timing.CopyFrom(self._timing(last, timer, reservation_id))
-                self._finished(timer, last.finish_reason or ABORT)
-            yield chunk
+            held += batch
+            if (sent_first and not held[-1].finished
+                    and sum(len(d.new_token_ids) for d in held) < self.stream_interval):
+                continue
+            sent_first = True
+            yield self._chunk(held, timer, reservation_id)
+            held = []
+
+    def _chunk(self, batch: list[SeqDelta], timer: TokenTimer, reservation_id: str | None
+               ) -> decode_pb2.TokenChunk:
+        last = batch[-1]
+        if len(batch) == 1:
+            ids, lps = last.new_token_ids, last.new_logprobs
+        else:
+            ids = [t for d in batch for t in d.new_token_ids]
+            lps = [lp for d in batch for lp in d.new_logprobs]
+        timer.arrived(len(ids))
+        chunk = decode_pb2.TokenChunk(
+            token_ids=ids, num_prompt_tokens=last.num_prompt_tokens,
+            num_output_tokens=last.num_output_tokens,
+            num_cached_tokens=last.num_cached_tokens)
+        if lps:
+            chunk.logprobs.extend(logprobs_to_proto(lp) for lp in lps)
+        if last.finished:
+            chunk.finish_reason = finish_to_proto(last.finish_reason or ABORT)
+            chunk.timing.CopyFrom(self._timing(last, timer, reservation_id))
+            self._finished(timer, last.finish_reason or ABORT)
+        return chunk
 
     def _finished(self, timer: TokenTimer, reason: str) -> None:
         m = self.metrics

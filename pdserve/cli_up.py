@@ -27,6 +27,7 @@ from pdserve.cluster import (
     parse_cpu_spec,
 )
 from pdserve.engine_args import add_engine_args, engine_argv
+from pdserve.worker_runtime import positive_int
 
 __all__ = ["register"]
 
@@ -92,6 +93,11 @@ def register(subparsers) -> None:
                         f"processes are told to finish in-flight requests within S - "
                         f"{STOP_MARGIN_S:g} (their drain timeout), so the drain ends "
                         "before the SIGKILL rather than the workers' own 55 s default")
+    p.add_argument("--stream-interval", type=positive_int, default=1, metavar="N",
+                   help="passed to the decode workers: a request's tokens go out N at a time "
+                        "(its first token and its end at once), so N tokens cost one message "
+                        "through the tiers and the client's stream; ITL comes in steps of N "
+                        "(default 1: every token as it comes)")
     add_engine_args(p)
     p.set_defaults(func=_cmd_up)
 
@@ -160,7 +166,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
             disagg_threshold=a.disagg_threshold,
             engine_args=tuple(engine_argv(a)), cpus=a.cpus, log_dir=a.log_dir,
             gateway_args=drain["gateway"], prefill_args=drain["prefill"],
-            decode_args=drain["decode"])
+            decode_args=(*drain["decode"], *(("--stream-interval", str(a.stream_interval))
+                                               if a.stream_interval != 1 else ())))
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2

@@ -60,6 +60,7 @@ class WorkerConfig:
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S  # outgoing calls: KV pushes, registration
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: in-flight work gets this long
     stream_keepalive_s: float = STREAM_KEEPALIVE_S  # decode: empty chunk after this silence
+    stream_interval: int = 1  # decode: a request's tokens go out N at a time (first, last: at once)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -90,7 +91,19 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-keepalive", type=float, default=STREAM_KEEPALIVE_S, metavar="S",
                    help="decode: a token stream silent for S seconds sends an empty chunk, "
                         f"so the gateway knows it is alive (default {STREAM_KEEPALIVE_S:g})")
+    g.add_argument("--stream-interval", type=positive_int, default=1, metavar="N",
+                   help="decode: send a request's tokens N at a time, so N tokens cost one "
+                        "message through the worker, the gateway and the client's stream; "
+                        "its first token and its end go out at once (default 1: every token "
+                        "as it comes)")
     add_engine_args(p)
+
+
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {n}")
+    return n
 
 
 def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
@@ -102,6 +115,7 @@ def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
                         heartbeat_interval_s=a.heartbeat_interval, rpc_timeout_s=a.rpc_timeout,
                         drain_timeout_s=a.drain_timeout,
                         stream_keepalive_s=a.stream_keepalive,
+                        stream_interval=a.stream_interval,
                         credentials=credentials_from_args(a), **extra)
 
 

@@ -52,7 +52,9 @@ def _up(model: str, *argv: str) -> tuple[subprocess.Popen, str, str]:
 
 
 @pytest.mark.parametrize("argv,layout", [((), "colocated"),
-                                         (("--prefill", "1"),
+                                         # and tokens four to a message (the flag reaches
+                                         # the decode worker through `pdserve up`)
+                                         (("--prefill", "1", "--stream-interval", "4"),
                                           "disaggregated")])
 def test_a_burst_of_64_loses_nothing(tiny_model_dir, argv, layout):
     proc, banner, url = _up(tiny_model_dir, *argv)

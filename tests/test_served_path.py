@@ -1,7 +1,7 @@
 """The served path's per-token plumbing: the engine's deltas reach a stream in batches (all
 that are queued when the reader comes back), the decode worker sends each batch as one
 TokenChunk, and an idle stream still gets its keepalives, which never come before tokens
-that are queued."""
+that are queued; with a stream interval, tokens go out that many at a time."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import contextlib
 import os
 import threading
 
+import pytest
 from conftest import assert_pool_clean, tiny_engine
 
 from pdserve.bench.thread_cpu import cpu_between, threads_cpu
@@ -124,3 +125,27 @@ def test_the_engine_thread_has_a_kernel_name_and_its_cpu_is_counted(tiny_model_d
     assert engine and sum(t.cpu_s for t in engine) > 0  # 12 tokens took it some time
     main_tid = threading.main_thread().native_id
     assert all(t.name != ENGINE_THREAD_NAME for t in spent if t.tid == main_tid)
+
+
+def test_a_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir):
+    async def main():
+        async with _running(tiny_model_dir) as aeng:
+            metrics = TierMetrics("tiny", "decode", "d0")
+            with pytest.raises(ValueError, match="stream_interval"):
+                DecodeService(aeng, ReservationTable(aeng, 30.0), metrics, stats=None,
+                              stream_interval=0)
+            svc = DecodeService(aeng, ReservationTable(aeng, 30.0), metrics, stats=None,
+                                keepalive_s=5.0, stream_interval=4)
+            plain = [t async for d in aeng.generate("p", PROMPT, LONG) for t in d.new_token_ids]
+            await aeng.add_request("s", PROMPT, LONG)
+            timer = TokenTimer(metrics, 0.0)
+            chunks = [c async for c in svc._stream("s", timer, None)]
+        return plain, chunks, timer
+
+    plain, chunks, timer = asyncio.run(main())
+    sizes = [len(c.token_ids) for c in chunks]
+    assert [t for c in chunks for t in c.token_ids] == plain  # the same tokens, in order
+    assert chunks[-1].finish_reason and not any(c.finish_reason for c in chunks[:-1])
+    # the first token goes at once; between it and the end, four or more to a message
+    assert all(n >= 4 for n in sizes[1:-1]), sizes
+    assert len(chunks) <= 2 + LONG.max_tokens // 4 and timer.count == LONG.max_tokens

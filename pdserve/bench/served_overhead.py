@@ -173,7 +173,8 @@ def run(a: argparse.Namespace) -> list[Row]:
                    "--quantization", a.quantization)
     cluster = LocalCluster(ClusterConfig(
         model=a.model, num_prefill=layout.num_prefill, num_decode=layout.num_decode,
-        http_port=0, grpc_port=0, cpus="auto", engine_args=engine_args))
+        http_port=0, grpc_port=0, cpus="auto", engine_args=engine_args,
+        decode_args=("--stream-interval", str(a.stream_interval))))
     print(f"layout: {layout.describe()}", file=sys.stderr)
     rows: list[Row] = []
     own = os.sched_getaffinity(0)
@@ -236,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="the decode worker's --stream-interval (default 1)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
     return p
 
