@@ -253,8 +253,11 @@ def test_markdown_names_commands_and_errors():
 
 
 def test_process_tree_and_its_rss():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); "
+                              "time.sleep(30)"], stdout=subprocess.PIPE)
     try:
+        # measured once the interpreter runs: right after the fork its RSS is ~200 KB
+        assert child.stdout.readline() == b"1\n"
         tree = descendants(os.getpid())
         assert tree[0] == os.getpid() and child.pid in tree
         assert rss_bytes([child.pid]) > 1 << 20  # a Python interpreter: megabytes
@@ -262,4 +265,5 @@ def test_process_tree_and_its_rss():
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     assert rss_bytes([child.pid]) == 0  # gone: nothing counted
