@@ -52,7 +52,12 @@ from typing import Any
 
 import grpc
 
-from pdserve.deadlines import DEFAULT_RPC_TIMEOUT_S, DEFAULT_STREAM_IDLE_S, call_timeout
+from pdserve.deadlines import (
+    DEFAULT_RPC_TIMEOUT_S,
+    DEFAULT_STREAM_IDLE_S,
+    IdleWatch,
+    call_timeout,
+)
 from pdserve.gateway import migration, router
 from pdserve.gateway.admission import AdmissionController, Overloaded
 from pdserve.gateway.channels import WorkerChannels
@@ -132,39 +137,6 @@ class _Outbox:
         item = await self._q.get()
         self._room.set()
         return item
-
-
-class _StallWatch:
-    """Cancels a token stream's call when one read has waited `idle_s` (the worker
-    stalled); `stalled` then tells that cancellation from others. One timer per stream,
-    re-armed when it fires: a timeout around every read armed and cancelled a timer per
-    token message. Time the reader spends away from the call (the client slower than the
-    worker) does not count."""
-
-    def __init__(self, call: grpc.aio.Call, idle_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._call, self._idle_s = call, idle_s
-        self._since: float | None = None  # when the pending read began; None: no read
-        self.stalled = False
-        self._handle = self._loop.call_at(self._loop.time() + idle_s, self._fire)
-
-    def reading(self) -> None:
-        self._since = self._loop.time()
-
-    def idle(self) -> None:
-        self._since = None
-
-    def _fire(self) -> None:
-        now = self._loop.time()
-        if self._since is not None and now - self._since >= self._idle_s:
-            self.stalled = True
-            self._call.cancel()
-            return
-        self._handle = self._loop.call_at(
-            (self._since if self._since is not None else now) + self._idle_s, self._fire)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
 
 
 class Orchestrator:
@@ -412,21 +384,29 @@ class Orchestrator:
         `stream_idle_s` of the read that waits for it (keepalive chunks count), else
         UNAVAILABLE; at once `WorkerLost` when the registry drops the worker."""
         who = f"decode worker {slot.worker.address}"
-        watch = _StallWatch(call, self.stream_idle_s)
+
+        def stalled() -> bool:  # a read waited the bound: end the call, stop watching
+            call.cancel()
+            return False
+
+        # armed only while a read waits: time the reader spends away from the call (the
+        # client slower than the worker) does not count; `fired` tells this cancellation
+        # from others
+        watch = IdleWatch(self.stream_idle_s, stalled)
         # around the whole stream, not each read: this loop runs per token message
         try:
             with ended_by_drop(slot):
                 while True:
-                    watch.reading()
+                    watch.arm()
                     try:
                         ch = await call.read()
                     except asyncio.CancelledError:
                         task = asyncio.current_task()
-                        if watch.stalled and not (task is not None and task.cancelling()):
+                        if watch.fired and not (task is not None and task.cancelling()):
                             raise GatewayError(ErrorKind.UNAVAILABLE, f"{who} sent nothing for "
                                                f"{self.stream_idle_s:g}s (stalled?)") from None
                         raise
-                    watch.idle()
+                    watch.disarm()
                     if ch is grpc.aio.EOF:
                         return
                     yield ch

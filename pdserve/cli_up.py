@@ -27,7 +27,7 @@ from pdserve.cluster import (
     parse_cpu_spec,
 )
 from pdserve.engine_args import add_engine_args, engine_argv
-from pdserve.worker_runtime import positive_int
+from pdserve.worker_runtime import int_at_least
 
 __all__ = ["register"]
 
@@ -42,11 +42,7 @@ def drain_flags(grace_s: float) -> dict[str, tuple[str, ...]]:
             "decode": ("--drain-timeout", s)}
 
 
-def _nonneg_int(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {n}")
-    return n
+_nonneg_int = int_at_least(0)
 
 
 def register(subparsers) -> None:
@@ -93,7 +89,7 @@ def register(subparsers) -> None:
                         f"processes are told to finish in-flight requests within S - "
                         f"{STOP_MARGIN_S:g} (their drain timeout), so the drain ends "
                         "before the SIGKILL rather than the workers' own 55 s default")
-    p.add_argument("--stream-interval", type=positive_int, default=1, metavar="N",
+    p.add_argument("--stream-interval", type=int_at_least(1), default=1, metavar="N",
                    help="passed to the decode workers: a request's tokens go out N at a time "
                         "(its first token and its end at once), so N tokens cost one message "
                         "through the tiers and the client's stream; ITL comes in steps of N "

@@ -16,7 +16,9 @@ margin for the stop itself.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 
 DEFAULT_RPC_TIMEOUT_S = 20.0
 DEFAULT_STREAM_IDLE_S = 10.0
@@ -30,3 +32,39 @@ def call_timeout(rpc_timeout_s: float, deadline: float | None) -> float:
     if deadline is None:
         return rpc_timeout_s
     return max(0.001, min(rpc_timeout_s, deadline - time.monotonic()))
+
+
+class IdleWatch:
+    """Calls `on_idle` once `idle_s` has passed since `arm()` with no `arm()` or `disarm()`
+    since: the keepalive a quiet stream sends, the stall a stream shows. One loop timer per
+    watch, re-armed when it fires, instead of a timeout armed and cancelled per token.
+    `on_idle` returns whether to go on watching (armed again from then); `fired` says
+    whether it was ever called."""
+
+    def __init__(self, idle_s: float, on_idle: Callable[[], bool], armed: bool = False
+                 ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle_s, self._on_idle = idle_s, on_idle
+        now = self._loop.time()
+        self._since: float | None = now if armed else None
+        self.fired = False
+        self._handle = self._loop.call_at(now + idle_s, self._fire)
+
+    def arm(self) -> None:
+        self._since = self._loop.time()
+
+    def disarm(self) -> None:
+        self._since = None
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        if self._since is not None and now - self._since >= self._idle_s:
+            self.fired = True
+            if not self._on_idle():
+                return
+            self._since = now
+        self._handle = self._loop.call_at(
+            (self._since if self._since is not None else now) + self._idle_s, self._fire)
+
+    def cancel(self) -> None:
+        self._handle.cancel()

@@ -91,7 +91,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-keepalive", type=float, default=STREAM_KEEPALIVE_S, metavar="S",
                    help="decode: a token stream silent for S seconds sends an empty chunk, "
                         f"so the gateway knows it is alive (default {STREAM_KEEPALIVE_S:g})")
-    g.add_argument("--stream-interval", type=positive_int, default=1, metavar="N",
+    g.add_argument("--stream-interval", type=int_at_least(1), default=1, metavar="N",
                    help="decode: send a request's tokens N at a time, so N tokens cost one "
                         "message through the worker, the gateway and the client's stream; "
                         "its first token and its end go out at once (default 1: every token "
@@ -99,11 +99,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
-def positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {n}")
-    return n
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer, refused below `lo`."""
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, not {n}")
+        return n
+
+    parse.__name__ = "int"  # argparse names it in "invalid int value"
+    return parse
 
 
 def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:

@@ -147,9 +147,9 @@ async def served_side(endpoints: Endpoints, model: str, requests: list[BenchRequ
     async with OpenAIHTTPClient(endpoints.http_url, model, endpoint="completions",
                                 extra_body={"temperature": 0}) as client:
         result = await run_benchmark(client, requests, label="served", progress=False)
-    cpu = TierCPU.between(before, _cluster_threads(endpoints), endpoints.gateway_pid,
-                          os.getpid(), sum(r.output_tokens for r in result.records if r.ok))
     ok = [r for r in result.records if r.ok]
+    cpu = TierCPU.between(before, _cluster_threads(endpoints), endpoints.gateway_pid,
+                          os.getpid(), sum(r.output_tokens for r in ok))
     tpots = [v for v in map(tpot_s, ok) if v is not None]
     return 1e3 * statistics.mean(tpots), len(result.records) - len(ok), cpu
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pdserve.deadlines import IdleWatch
 from pdserve.engine.kv_connector import KVReservation, KVSaver
 from pdserve.engine.llm_engine import LLMEngine, SeqDelta
 from pdserve.engine.sequence import SequenceStatus
@@ -70,34 +71,8 @@ class EngineStats:
 _STOP = object()
 
 
-# queued by a stream's _IdleTimer: "nothing for idle_s", read as an empty batch
+# queued on a stream by its IdleWatch: "nothing for idle_s", read as an empty batch
 _KEEPALIVE = object()
-
-
-class _IdleTimer:
-    """Queues _KEEPALIVE on a stream once `idle_s` passes without a batch read from it.
-    One timer per stream, re-armed when it fires: a timeout around every wait armed and
-    cancelled a timer per token, ~a quarter of a streamed token's Python in the worker."""
-
-    def __init__(self, q: asyncio.Queue, idle_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._q, self._idle_s = q, idle_s
-        self._last = self._loop.time()
-        self._handle = self._loop.call_at(self._last + idle_s, self._fire)
-
-    def touch(self) -> None:
-        self._last = self._loop.time()
-
-    def _fire(self) -> None:
-        now = self._loop.time()
-        due = self._last + self._idle_s
-        if now >= due:
-            self._q.put_nowait(_KEEPALIVE)
-            self._last, due = now, now + self._idle_s
-        self._handle = self._loop.call_at(due, self._fire)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
 
 
 class AsyncEngine:
@@ -183,7 +158,11 @@ class AsyncEngine:
         q = self._streams.get(request_id)
         if q is None:
             raise KeyError(request_id)
-        idle = _IdleTimer(q, idle_s) if idle_s is not None else None
+        def keepalive() -> bool:  # idle_s without a batch: an empty one, and go on
+            q.put_nowait(_KEEPALIVE)
+            return True
+
+        idle = IdleWatch(idle_s, keepalive, armed=True) if idle_s is not None else None
         finished = False
         try:
             while not finished:
@@ -200,7 +179,7 @@ class AsyncEngine:
                 if batch:
                     finished = batch[-1].finished
                     if idle is not None:
-                        idle.touch()
+                        idle.arm()
                     yield batch
                 elif item is _KEEPALIVE:
                     yield []
