@@ -133,3 +133,68 @@ def test_layouts_it_does_not_take_are_refused(tiny_model_dir):
         CpuDecodeStack(model, kv.data[:, :, :4].clone()[:1])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         CpuDecodeStack(model, kv.data.half())
+
+
+def _wide_model(dtype: torch.dtype, rows: int):
+    """Two random layers wide enough that every thread's share of a projection is many
+    runs (decode_stack.c's work sharing), and a cache of eight 16-token blocks per row."""
+    from transformers import LlamaConfig
+
+    h, i, heads, kv_heads, hd = 256, 1024, 4, 2, 64
+    dims = llama.LlamaDims(num_layers=2, hidden_size=h, num_heads=heads,
+                           num_kv_heads=kv_heads, head_dim=hd, intermediate_size=i,
+                           vocab_size=300, rms_norm_eps=1e-5, max_position=128)
+    gen = torch.Generator().manual_seed(3)
+    state = {"model.embed_tokens.weight": torch.randn(300, h, generator=gen),
+             "lm_head.weight": torch.randn(300, h, generator=gen),
+             "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=gen)}
+    for n in range(2):
+        p = f"model.layers.{n}."
+        for name, shape in (("self_attn.q_proj", (heads * hd, h)),
+                            ("self_attn.k_proj", (kv_heads * hd, h)),
+                            ("self_attn.v_proj", (kv_heads * hd, h)),
+                            ("self_attn.o_proj", (h, heads * hd)), ("mlp.gate_proj", (i, h)),
+                            ("mlp.up_proj", (i, h)), ("mlp.down_proj", (h, i))):
+            state[p + name + ".weight"] = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            state[p + name + ".weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=h, intermediate_size=i, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
+                      max_position_embeddings=128, tie_word_embeddings=False)
+    model = llama.LlamaModel(dims, state, cfg, dtype, torch.device("cpu"))
+    kv = torch.randn(2, 2, 8 * rows, 16, kv_heads, hd, generator=gen).to(dtype)
+    return model, kv
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.float32, GEMV_MAX_ROWS),
+                                        (torch.bfloat16, 2), (torch.bfloat16, 37)])
+def test_the_result_does_not_depend_on_the_team(dtype, rows):
+    """Which thread computes which columns and rows depends on which is free first; the
+    result must not. Teams of 1, 2, 3 and 7 threads (7 on this machine's cores: threads
+    preempted mid-step, their siblings taking over their shares) give the same bits, out
+    and cache. 37 bfloat16 rows take the tiles where the CPU has them."""
+    if rows > GEMV_MAX_ROWS and not amx_available():
+        pytest.skip("a bfloat16 batch past GEMV_MAX_ROWS needs AMX tiles")
+    model, kv = _wide_model(dtype, rows)
+    stack = CpuDecodeStack(model, kv)
+    pos = torch.tensor([(5 * r) % 100 + 3 for r in range(rows)])
+    step = dict(positions=pos, slots=torch.arange(rows) * 128 + pos,
+                seq_lens=(pos + 1).to(torch.int32),
+                block_tables=(torch.arange(rows, dtype=torch.int32)[:, None] * 8
+                              + torch.arange(8, dtype=torch.int32)))
+    x = model.embed[torch.arange(rows) * 7 % 300].clone()
+    cache = kv.clone()
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3, 7):
+            torch.set_num_threads(n)
+            kv.copy_(cache)
+            xn = x.clone()
+            results.append((n, stack.run(xn, **step), xn, kv.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    _, out, residual, stored = results[0]
+    assert torch.isfinite(out.float()).all() and not torch.equal(stored, cache)
+    for n, o, r, s in results[1:]:
+        assert torch.equal(o, out) and torch.equal(r, residual) and torch.equal(s, stored), n

@@ -10,8 +10,8 @@
  * A thread takes its columns 32 at a time (two N-blocks) and x 32 rows at a time (two A
  * tiles, loaded straight from x: 32 inputs of a row are 64 contiguous bytes) into four
  * float32 accumulator tiles (C). Every tile has 16 rows, so one tile configuration serves
- * every call: al_linear copies the last partial 16 rows into a zero-padded block; al_part
- * (one thread's share, inside the decode stack's parallel region) reads buffers that have
+ * every call: al_linear copies the last partial 16 rows into a zero-padded block; al_blocks
+ * (a run of output columns, inside the decode stack's parallel region) reads buffers that have
  * zeroed rows up to the next multiple of 16.
  * Products of bf16 are exact in float32 and sums are float32, as in oneDNN's bf16 matmul.
  *
@@ -131,16 +131,16 @@ INLINE void block(const char *const *a, const int64_t *lda, const char *const *w
 #endif
 
 #ifdef HAVE_AMX
-/* Thread t of nt's share of y = x @ W^T: N-blocks [nblocks * t / nt, nblocks * (t + 1) / nt).
- * Rows at and past the last multiple of 16 come from `tail` (16 zero-padded rows of K) when
- * it is given; NULL: x itself has readable rows up to the next multiple of 16. */
-static void part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *tail,
-                 const uint16_t *packed, int64_t N, int64_t K, uint16_t *y, int64_t y_stride,
-                 int t, int nt)
+/* N-blocks [nb0, nb1) of y = x @ W^T (columns 16 * nb0 up to 16 * nb1). Each block's
+ * sums are the same whichever run of blocks it is computed in. Rows at and past the last
+ * multiple of 16 come from `tail` (16 zero-padded rows of K) when it is given; NULL: x
+ * itself has readable rows up to the next multiple of 16. after: NULL, or the packed
+ * weights of the N-blocks the caller computes next, prefetched during the last pair. */
+static void blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *tail,
+                   const uint16_t *packed, int64_t K, uint16_t *y, int64_t y_stride,
+                   int64_t nb0, int64_t nb1, const uint16_t *after)
 {
-    const int64_t ks = K / KSTEP, nblocks = N / NBLOCK, full = M / MROWS * MROWS;
-    /* contiguous N-blocks per thread: each streams one run of the packed weights */
-    const int64_t nb0 = nblocks * t / nt, nb1 = nblocks * (t + 1) / nt;
+    const int64_t ks = K / KSTEP, full = M / MROWS * MROWS;
     if (nb0 >= nb1)
         return;
     float c[4][MROWS * NBLOCK] __attribute__((aligned(64)));
@@ -151,7 +151,8 @@ static void part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t 
         for (int j = 0; j < 2; j++)
             w[j] = (const char *)(packed + (nb + (j < nbs ? j : 0)) * ks * KSTEP * NBLOCK);
         /* the thread's next two N-blocks follow these in memory */
-        const char *next = nb + 2 < nb1 ? w[0] + (int64_t)nbs * ks * 1024 : NULL;
+        const char *next = nb + 2 < nb1 ? w[0] + (int64_t)nbs * ks * 1024
+                                        : (const char *)after;
         for (int64_t m0 = 0; m0 < M; m0 += 2 * MROWS) {
             const char *a[2];
             int64_t lda[2];
@@ -191,17 +192,21 @@ static void part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t 
 }
 #endif
 
-/* al_linear's share for thread t of the nt threads of an enclosing parallel region (the
- * decode stack's): x must have readable rows up to the next multiple of 16 past M (their
- * products land in no output row); y [M, N] has row stride y_stride. */
-void al_part(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
-             int64_t N, int64_t K, uint16_t *y, int64_t y_stride, int t, int nt)
+/* Output columns [16 * nb0, 16 * nb1) of al_linear, for one thread of an enclosing parallel
+ * region (the decode stack's, which hands the blocks out): x must have readable rows up to
+ * the next multiple of 16 past M (their products land in no output row); y [M, N] has row
+ * stride y_stride. next_nb: the first N-block of the run this thread computes next (its
+ * weights are prefetched), or -1. */
+void al_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
+               int64_t K, uint16_t *y, int64_t y_stride, int64_t nb0, int64_t nb1,
+               int64_t next_nb)
 {
 #ifdef HAVE_AMX
-    part(x, x_stride, M, NULL, packed, N, K, y, y_stride, t, nt);
+    blocks(x, x_stride, M, NULL, packed, K, y, y_stride, nb0, nb1,
+           next_nb < 0 ? NULL : packed + next_nb * (K / KSTEP) * KSTEP * NBLOCK);
 #else
-    (void)x, (void)x_stride, (void)M, (void)packed, (void)N, (void)K, (void)y, (void)y_stride,
-        (void)t, (void)nt;
+    (void)x, (void)x_stride, (void)M, (void)packed, (void)K, (void)y, (void)y_stride,
+        (void)nb0, (void)nb1, (void)next_nb;
 #endif
 }
 
@@ -228,8 +233,13 @@ int al_linear(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *pa
         num_threads = (int)nblocks;
     if (num_threads < 1)
         num_threads = 1;
+    /* contiguous N-blocks per thread: each streams one run of the packed weights */
 #pragma omp parallel num_threads(num_threads)
-    part(x, x_stride, M, tail, packed, N, K, y, N, team_thread(), team_size());
+    {
+        const int64_t t = team_thread(), nt = team_size();
+        blocks(x, x_stride, M, tail, packed, K, y, N, nblocks * t / nt, nblocks * (t + 1) / nt,
+               NULL);
+    }
     free(tail);
     return 0;
 #else

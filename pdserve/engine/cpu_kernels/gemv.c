@@ -373,13 +373,14 @@ static inline const float *x_rows(const float *xf, int64_t at, int dt)
     return xf + at;
 }
 
-/* Rows [n0, n1) of y for every row of x; xf is x as gv_widen prepared it, [M, K]. w holds
- * dtype dt, or int8 where scales (per row, one per Q8_GROUP) is given. One weight row at a time, in
- * memory order: a single sequential stream is what the hardware prefetcher follows best
- * (measured on one core at M = 1: 20 GB/s, against 9-11 GB/s for 2, 4 or 8 rows read side
- * by side). */
-static void rows(const float *xf, const void *w, const float *scales, void *y,
-                 int64_t y_stride, int64_t M, int64_t n0, int64_t n1, int64_t K, int dt)
+/* Columns [n0, n1) of y (rows of w) for every row of x; xf is x as gv_widen prepared it,
+ * [M, K]. w holds dtype dt, or int8 where scales (per row, one per Q8_GROUP) is given. Each
+ * column's sums are the same whichever run of columns it is computed in (the decode stack
+ * hands runs out to whichever thread is free). One weight row at a time, in memory order:
+ * a single sequential stream is what the hardware prefetcher follows best (measured on one
+ * core at M = 1: 20 GB/s, against 9-11 GB/s for 2, 4 or 8 rows read side by side). */
+void gv_rows(const float *xf, const void *w, const float *scales, void *y, int64_t y_stride,
+             int64_t M, int64_t n0, int64_t n1, int64_t K, int dt)
 {
     const size_t row_bytes = (size_t)K * (scales ? 1 : dt == DT_F32 ? 4 : 2);
     const struct q8x q8x = q8x_in((void *)xf, M, K); /* used where scales is given */
@@ -441,7 +442,7 @@ void gv_part(const float *xf, const void *w, const float *scales, void *y, int64
     const int64_t n0 = t * per;
     const int64_t n1 = n0 + per < N ? n0 + per : N;
     if (n0 < n1)
-        rows(xf, w, scales, y, y_stride, M, n0, n1, K, dt);
+        gv_rows(xf, w, scales, y, y_stride, M, n0, n1, K, dt);
 }
 
 /* y [M, N] (row stride y_stride) = x [M, K] (row stride x_stride) @ w [N, K]^T, x and y of
