@@ -1,6 +1,6 @@
 """The AMX projection (cpu_kernels/amx_linear.c) against float32 matmul: the packed layout,
 row counts around the 16-row tiles and the 32-row passes, odd numbers of 16-column blocks,
-strided x; bad arguments refused; and the CPU linear routes 5..AMX_MAX_ROWS bfloat16 rows to
+strided x; bad arguments refused; and the CPU linear routes 5..BATCH_MAX_ROWS bfloat16 rows to
 it. Skipped where the CPU (or the kernel) has no AMX tiles."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.cpu_kernels.amx_linear import amx_available, amx_linear, amx_pack
-from pdserve.engine.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, cpu_linear
+from pdserve.engine.layers.linear import BATCH_MAX_ROWS, GEMV_MAX_ROWS, cpu_linear
 
 pytestmark = pytest.mark.skipif(not amx_available(), reason="no AMX tiles on this machine")
 
@@ -71,7 +71,7 @@ def test_the_cpu_linear_uses_the_tiles_between_the_gemv_and_onednn():
     linear = cpu_linear()
     w = _bf16(1728, 576, seed=3)
     packed = amx_pack(w)
-    for m in (GEMV_MAX_ROWS + 1, 33, AMX_MAX_ROWS):
+    for m in (GEMV_MAX_ROWS + 1, 33, BATCH_MAX_ROWS):
         x = _bf16(m, 576, seed=m)
         assert torch.equal(linear(x, w), amx_linear(x, packed, 1728)), m
     # a shape the tiles cannot take goes to oneDNN, still right

@@ -10,7 +10,8 @@ import torch
 import pdserve.engine.llama as llama
 from pdserve.engine.cpu_kernels.amx_linear import amx_available
 from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
-from pdserve.engine.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS
+from pdserve.engine.cpu_kernels.f32_panels import panels_available
+from pdserve.engine.layers.linear import BATCH_MAX_ROWS, GEMV_MAX_ROWS
 from pdserve.protocol import SamplingParams
 from tests.conftest import tiny_engine
 
@@ -44,22 +45,29 @@ def test_same_tokens_as_the_layer_loop(tiny_model_dir, dtype, kv_dtype, monkeypa
         stack, used = _generate(engine, PROMPTS[:n], True, monkeypatch, temperature=0.0)
         assert stack == loop
         # every row decodes to the same length: a batch past GEMV_MAX_ROWS never shrinks;
-        # a bfloat16 one is the batched form's where the CPU has AMX
-        batched = dtype == "bfloat16" and kv_dtype is None and amx_available()
-        assert any(used) == (n <= GEMV_MAX_ROWS or batched)
+        # it is the batched form's where the build and CPU have its kernel
+        assert any(used) == (n <= GEMV_MAX_ROWS or _batched_kernel(dtype))
     seeded_loop, _ = _generate(engine, PROMPTS[:2], False, monkeypatch, temperature=0.8, seed=7)
     seeded_stack, _ = _generate(engine, PROMPTS[:2], True, monkeypatch, temperature=0.8, seed=7)
     assert seeded_stack == seeded_loop
 
 
-@pytest.mark.skipif(not amx_available(), reason="the batched form needs AMX tiles")
-def test_batched_form_gives_the_loops_tokens(tiny_model_dir, monkeypatch):
-    """bfloat16 batches past GEMV_MAX_ROWS: rows around the tiles' 16 and 32 (the buffers'
-    zeroed padding), the most the stack takes, and one past it (the loop's)."""
-    engine = tiny_engine(tiny_model_dir, dtype="bfloat16", enable_prefix_caching=False,
+def _batched_kernel(dtype: str) -> bool:
+    """Whether this build and CPU run the stack's batched form for a model of dtype."""
+    return amx_available() if dtype == "bfloat16" else panels_available()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_form_gives_the_loops_tokens(tiny_model_dir, monkeypatch, dtype):
+    """Batches past GEMV_MAX_ROWS: rows around the tiles' 16 and 32 (the buffers' zeroed
+    padding) and the panels' 12-row blocks, the most the stack takes, and one past it (the
+    loop's)."""
+    if not _batched_kernel(dtype):
+        pytest.skip(f"no batched kernel for {dtype} here")
+    engine = tiny_engine(tiny_model_dir, dtype=dtype, enable_prefix_caching=False,
                          max_num_batched_tokens=2048)
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(AMX_MAX_ROWS + 1)]
-    for n in (5, 17, 33, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(BATCH_MAX_ROWS + 1)]
+    for n in (5, 17, 33, BATCH_MAX_ROWS, BATCH_MAX_ROWS + 1):
         loop, _ = _generate(engine, prompts[:n], False, monkeypatch, temperature=0.0)
         seen = []
         real = CpuDecodeStack.run
@@ -72,7 +80,7 @@ def test_batched_form_gives_the_loops_tokens(tiny_model_dir, monkeypatch):
         stack, _ = _generate(engine, prompts[:n], True, monkeypatch, temperature=0.0)
         monkeypatch.setattr(CpuDecodeStack, "run", real)
         assert stack == loop, n
-        assert (n in seen) == (n <= AMX_MAX_ROWS), (n, seen)
+        assert (n in seen) == (n <= BATCH_MAX_ROWS), (n, seen)
 
 
 def test_taken_only_for_small_pure_decode_steps(tiny_model_dir, monkeypatch):
@@ -167,14 +175,15 @@ def _wide_model(dtype: torch.dtype, rows: int):
 
 
 @pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.float32, GEMV_MAX_ROWS),
-                                        (torch.bfloat16, 2), (torch.bfloat16, 37)])
+                                        (torch.float32, 37), (torch.bfloat16, 2),
+                                        (torch.bfloat16, 37)])
 def test_the_result_does_not_depend_on_the_team(dtype, rows):
     """Which thread computes which columns and rows depends on which is free first; the
     result must not. Teams of 1, 2, 3 and 7 threads (7 on this machine's cores: threads
     preempted mid-step, their siblings taking over their shares) give the same bits, out
-    and cache. 37 bfloat16 rows take the tiles where the CPU has them."""
-    if rows > GEMV_MAX_ROWS and not amx_available():
-        pytest.skip("a bfloat16 batch past GEMV_MAX_ROWS needs AMX tiles")
+    and cache. 37 rows take the batched form where the build and CPU have its kernel."""
+    if rows > GEMV_MAX_ROWS and not _batched_kernel(str(dtype).removeprefix("torch.")):
+        pytest.skip(f"no batched kernel for {dtype} here")
     model, kv = _wide_model(dtype, rows)
     stack = CpuDecodeStack(model, kv)
     pos = torch.tensor([(5 * r) % 100 + 3 for r in range(rows)])

@@ -12,9 +12,10 @@ down 1536->576, and the tied 576->49152 LM head): 538 MB in float32, 269 MB in b
 x); the crossover is where the C GEMV stops winning
 (pdserve.engine.layers.linear.GEMV_MAX_ROWS). The int8 rows time the int8 GEMV
 (`pdserve::gemv_linear_int8`, bfloat16 x) against oneDNN on the de-quantized bfloat16
-weights, what `--quantization int8` runs at those sizes. Where the CPU has AMX, the
-bfloat16 rows also time the tiles' kernel (`pdserve::amx_linear` on packed copies, what the
-engine runs from GEMV_MAX_ROWS + 1 to AMX_MAX_ROWS rows), its speedup over oneDNN last.
+weights, what `--quantization int8` runs at those sizes. The float32 and bfloat16 rows also
+time the batched kernel over packed copies where the build and CPU have it (AVX-512 panels,
+`pdserve::f32_panels_linear`; AMX tiles, `pdserve::amx_linear`: what the engine runs from
+GEMV_MAX_ROWS + 1 to BATCH_MAX_ROWS rows), its speedup over oneDNN last.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from pdserve.engine.cpu_kernels.gemv import gemv_linear, gemv_linear_int8
 from pdserve.engine.layers.int8 import quantize_int8
-from pdserve.engine.layers.linear import amx_tiles_linear, blocked_onednn_linear
+from pdserve.engine.layers.linear import batch_packed, blocked_onednn_linear, packed_linear
 
 LAYERS = 30
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) per layer
@@ -57,10 +58,9 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     rows = [int(r) for r in a.rows.split(",")]
     print(f"threads={torch.get_num_threads()}; read bandwidth {read_bandwidth():.1f} GB/s")
-    tiles = amx_tiles_linear()
+    packed = packed_linear()
     print(f"{'dtype':>8} {'M':>3} | {'oneDNN ms':>9} {'GB/s':>5} | {'GEMV ms':>7} {'GB/s':>5} | "
-          f"{'speedup':>7}" + (f" | {'AMX ms':>6} {'GB/s':>5} | {'AMX/oneDNN':>10}"
-                               if tiles else ""))
+          f"{'speedup':>7} | {'packed ms':>9} {'GB/s':>5} | {'packed/oneDNN':>13}")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for kind in ("float32", "bfloat16", "int8"):
@@ -82,8 +82,8 @@ def main() -> None:
                 xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (576, 1536)}
                 times = {}
                 fns = [("onednn", blocked_onednn_linear()), ("gemv", gemv)]
-                if tiles is not None and kind == "bfloat16":
-                    fns.append(("amx", tiles))
+                if kind != "int8" and batch_packed(weights[0]) is not None:
+                    fns.append(("packed", packed))
                 for name, fn in fns:
                     def step(fn=fn, weights=weights, xs=xs):
                         for w in weights:
@@ -94,9 +94,9 @@ def main() -> None:
                 line = (f"{kind:>8} {m:>3} | {o * 1e3:>9.2f} "
                         f"{nbytes / o / 1e9:>5.1f} | {g * 1e3:>7.2f} {nbytes / g / 1e9:>5.1f} | "
                         f"{o / g:>6.2f}x")
-                if "amx" in times:
-                    t = times["amx"]
-                    line += f" | {t * 1e3:>6.2f} {nbytes / t / 1e9:>5.1f} | {o / t:>9.2f}x"
+                if "packed" in times:
+                    t = times["packed"]
+                    line += f" | {t * 1e3:>9.2f} {nbytes / t / 1e9:>5.1f} | {o / t:>12.2f}x"
                 print(line, flush=True)
 
 if __name__ == "__main__":

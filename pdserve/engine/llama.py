@@ -152,7 +152,7 @@ class LlamaModel:
             by_id[id(self.lm_head)] = self.lm_head_int8
             self.linear = int8_linear(self.ops.linear, by_id)
         if self.ops.name == "cpu":
-            # the copies the CPU linears keep (oneDNN's blocked weights, the AMX tiles'
+            # the copies the CPU linears keep (oneDNN's blocked weights, the batched kernels'
             # packing) now, rather than in the first steps requests wait on: ~0.15-0.3 s
             # for 135M parameters
             from pdserve.engine.layers.linear import prepack_cpu_copies
@@ -221,10 +221,10 @@ class LlamaModel:
         """The C decode stack (pdserve.engine.cpu_kernels.decode_stack) when this step can
         take it: C layer ops and C attention, a pure decode of at most the stack's max_rows
         rows, no layer hook, no padded row; else None (the layer loop below)."""
-        from pdserve.engine.layers.linear import AMX_MAX_ROWS
+        from pdserve.engine.layers.linear import BATCH_MAX_ROWS
 
         if (self.ops.name != "cpu" or backend.name != "cpu" or layer_hook is not None
-                or t > AMX_MAX_ROWS or meta.num_decodes != t or t == 0):
+                or t > BATCH_MAX_ROWS or meta.num_decodes != t or t == 0):
             return None
         if self._decode_stack is None or self._decode_stack[0] is not kv_cache:
             from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack

@@ -103,6 +103,10 @@ void al_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *p
                int64_t K, uint16_t *y, int64_t y_stride, int64_t nb0, int64_t nb1,
                int64_t next_nb);
 int al_available(void);
+void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed, int64_t K,
+               float *y, int64_t y_stride, int64_t p0, int64_t p1);
+int fp_available(void);
+#define FP_PANEL 32 /* columns per float32 panel (f32_panels.c's PANEL) */
 
 /* Work sharing. Each step of a layer splits its work (output columns, rows, attention's
  * items) into one share per thread, as a fixed split would, and each thread goes through
@@ -222,13 +226,26 @@ static void store_row(void *dst, const void *src, int64_t n, int dt, int kv_dt)
         d[i] = f32_to_bf16(s[i]);
 }
 
-/* The batched form (bfloat16, packed non-NULL): every projection on AMX tiles over the
- * packed weights (amx_linear.c's al_blocks, in runs of output columns), and every other
- * step in runs too: of rows for the element-wise steps, of work items for attention. The
- * layer loop runs the same kernels for these batches (pdserve::amx_linear, the layer ops,
- * the paged decode kernel), each row computed the same way whichever thread takes it, so
- * the result is the loop's bit for bit. Buffers that feed a projection get rows up to the
- * next multiple of 16, zeroed, for the tiles to read. */
+/* The batched form (packed non-NULL): every projection over the packed copies the layer
+ * loop also reads for these batches (bfloat16 on AMX tiles, amx_linear.c; float32 on
+ * AVX-512 panels, f32_panels.c), in runs of 32 output columns, and every other step in
+ * runs too: of rows for the element-wise steps, of work items for attention. The layer
+ * loop runs the same kernels for these batches (pdserve::amx_linear or
+ * pdserve::f32_panels_linear, the layer ops, the paged decode kernel), each row computed
+ * the same way whichever thread takes it, so the result is the loop's bit for bit. Buffers
+ * that feed a projection get rows up to the next multiple of 16, zeroed, for the tiles to
+ * read. */
+static void packed_share(const struct team *tm, int64_t step, const char *x, int64_t x_stride,
+                         int64_t M, const void *packed, int64_t N, int64_t K, char *y, int dt)
+{
+    if (dt == DT_BF16) {
+        al_share(tm, step, (const uint16_t *)x, x_stride, M, packed, N, K, (uint16_t *)y);
+        return;
+    }
+    for (int64_t p0, p1; take(tm, step, N / FP_PANEL, 1, &p0, &p1);)
+        fp_blocks((const float *)x, x_stride, M, packed, K, (float *)y, N, p0, p1);
+}
+
 static int batched_layers(const struct ds_model *m, const void *const *weights,
                           const void *const *packed, const void *final_norm, void *cache,
                           void *x, void *out, const int64_t *positions, const int64_t *slots,
@@ -236,26 +253,27 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
                           const void *cos_t, const void *sin_t, int64_t M, int num_threads)
 {
     const int dt = m->dt;
-    const size_t es = 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
+    const size_t es = dt == DT_F32 ? 4 : 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
     const int64_t H = m->H, QD = m->Hq * m->D, KVD = m->Hkv * m->D, I = m->I;
     const int64_t QKV = QD + 2 * KVD, M16 = (M + 15) / 16 * 16;
     for (int64_t b = 0; b < M; b++) /* before any write: rows are shared out below */
         if (positions[b] < 0 || positions[b] >= m->max_position)
             return -2;
     const int want = num_threads > 1 ? num_threads : 1;
-    uint16_t *scratch = malloc((size_t)(M16 * (H + QD + I) + M * (QKV + 2 * I + H)) * es);
+    char *scratch = malloc((size_t)(M16 * (H + QD + I) + M * (QKV + 2 * I + H)) * es);
     struct share_counter *work = new_counters(m->L, want);
     if (!scratch || !work) {
         free(scratch);
         free(work);
         return -1;
     }
-    uint16_t *h = scratch, *attn = h + M16 * H, *act = attn + M16 * QD;
-    uint16_t *qkv = act + M16 * I, *gu = qkv + M * QKV, *y = gu + M * 2 * I;
-    memset(h + M * H, 0, (size_t)((M16 - M) * H) * es);
-    memset(attn + M * QD, 0, (size_t)((M16 - M) * QD) * es);
-    memset(act + M * I, 0, (size_t)((M16 - M) * I) * es);
-    uint16_t *const xs = x;
+#define AT(p, n) ((p) + (size_t)(n) * es) /* element n of a buffer of dtype dt */
+    char *h = scratch, *attn = AT(h, M16 * H), *act = AT(attn, M16 * QD);
+    char *qkv = AT(act, M16 * I), *gu = AT(qkv, M * QKV), *y = AT(gu, M * 2 * I);
+    memset(AT(h, M * H), 0, (size_t)((M16 - M) * H) * es);
+    memset(AT(attn, M * QD), 0, (size_t)((M16 - M) * QD) * es);
+    memset(AT(act, M * I), 0, (size_t)((M16 - M) * I) * es);
+    char *const xs = x;
     int rc = 0;
     struct spin_barrier bar = {0, 0, want};
 #pragma omp parallel num_threads(want)
@@ -263,26 +281,26 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
         struct team tm = {work, 0, 1, want};
         join_team(&bar, &tm.t, &tm.nt);
         for (int64_t r0, r1; take(&tm, m->L * W_STEPS + W_NEXT_NORM, M, ROW_RUN, &r0, &r1);)
-            lo_add_rms_norm(xs + r0 * H, H, NULL, weights[0], h + r0 * H, r1 - r0, (int)H,
-                            m->eps, dt, 1);
+            lo_add_rms_norm(AT(xs, r0 * H), H, NULL, weights[0], AT(h, r0 * H), r1 - r0,
+                            (int)H, m->eps, dt, 1);
         barrier_wait(&bar);
         for (int64_t l = 0; l < m->L; l++) {
             const void *const *w = weights + 6 * l;
-            const uint16_t *const *p = (const uint16_t *const *)packed + 6 * l;
+            const void *const *p = packed + 6 * l;
             const int64_t c = l * W_STEPS; /* this layer's counters */
             char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
             char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
-            al_share(&tm, c + W_QKV, h, H, M, p[1], QKV, H, qkv);
+            packed_share(&tm, c + W_QKV, h, H, M, p[1], QKV, H, qkv, dt);
             barrier_wait(&bar);
             /* positions were checked above: RoPE cannot refuse a row */
             for (int64_t r0, r1; take(&tm, c + W_ROPE, M, ROW_RUN, &r0, &r1);) {
-                lo_rope(qkv + r0 * QKV, QKV, positions + r0, cos_t, sin_t, m->max_position,
+                lo_rope(AT(qkv, r0 * QKV), QKV, positions + r0, cos_t, sin_t, m->max_position,
                         r1 - r0, (int)(m->Hq + m->Hkv), (int)m->D, dt, 1);
                 for (int64_t b = r0; b < r1; b++) {
-                    const uint16_t *row = qkv + b * QKV;
-                    store_row(k_cache + (size_t)(slots[b] * KVD) * kv_es, row + QD, KVD, dt,
+                    const char *row = AT(qkv, b * QKV);
+                    store_row(k_cache + (size_t)(slots[b] * KVD) * kv_es, AT(row, QD), KVD, dt,
                               m->kv_dt);
-                    store_row(v_cache + (size_t)(slots[b] * KVD) * kv_es, row + QD + KVD,
+                    store_row(v_cache + (size_t)(slots[b] * KVD) * kv_es, AT(row, QD + KVD),
                               KVD, dt, m->kv_dt);
                 }
             }
@@ -295,26 +313,27 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
             barrier_wait(&bar);
             if (__atomic_load_n(&rc, __ATOMIC_RELAXED)) /* every thread leaves here */
                 break;
-            al_share(&tm, c + W_O, attn, QD, M, p[2], H, QD, y);
+            packed_share(&tm, c + W_O, attn, QD, M, p[2], H, QD, y, dt);
             barrier_wait(&bar);
             for (int64_t r0, r1; take(&tm, c + W_POST_NORM, M, ROW_RUN, &r0, &r1);)
-                lo_add_rms_norm(xs + r0 * H, H, y + r0 * H, w[3], h + r0 * H, r1 - r0, (int)H,
-                                m->eps, dt, 1);
+                lo_add_rms_norm(AT(xs, r0 * H), H, AT(y, r0 * H), w[3], AT(h, r0 * H), r1 - r0,
+                                (int)H, m->eps, dt, 1);
             barrier_wait(&bar);
-            al_share(&tm, c + W_GATE_UP, h, H, M, p[4], 2 * I, H, gu);
+            packed_share(&tm, c + W_GATE_UP, h, H, M, p[4], 2 * I, H, gu, dt);
             barrier_wait(&bar);
             for (int64_t r0, r1; take(&tm, c + W_SILU, M, ROW_RUN, &r0, &r1);)
-                lo_silu_mul(gu + r0 * 2 * I, act + r0 * I, r1 - r0, (int)I, dt, 1);
+                lo_silu_mul(AT(gu, r0 * 2 * I), AT(act, r0 * I), r1 - r0, (int)I, dt, 1);
             barrier_wait(&bar);
-            al_share(&tm, c + W_DOWN, act, I, M, p[5], H, I, y);
+            packed_share(&tm, c + W_DOWN, act, I, M, p[5], H, I, y, dt);
             barrier_wait(&bar);
             const void *next_norm = l + 1 < m->L ? weights[6 * (l + 1)] : final_norm;
             for (int64_t r0, r1; take(&tm, c + W_NEXT_NORM, M, ROW_RUN, &r0, &r1);)
-                lo_add_rms_norm(xs + r0 * H, H, y + r0 * H, next_norm, h + r0 * H, r1 - r0,
-                                (int)H, m->eps, dt, 1);
+                lo_add_rms_norm(AT(xs, r0 * H), H, AT(y, r0 * H), next_norm, AT(h, r0 * H),
+                                r1 - r0, (int)H, m->eps, dt, 1);
             barrier_wait(&bar);
         }
     }
+#undef AT
     if (!rc)
         memcpy(out, h, (size_t)(M * H) * es);
     free(scratch);
@@ -327,11 +346,11 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
  * row; the norms' entries unused), the activations then staying float32 for them; cache:
  * the [L, 2, num_blocks, block_size, Hkv, D] KV cache; x [M, H] the residual stream (the
  * embeddings in, updated in place); out [M, H] the final norm of the last residual;
- * packed: NULL, or 6 per layer likewise, the projections packed for AMX tiles (al_pack),
- * for a bfloat16 batch: then the batched form above runs.
+ * packed: NULL, or 6 per layer likewise, the projections packed for the batched kernels
+ * (al_pack for bfloat16, fp_pack for float32): then the batched form above runs.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
  * failed; -4 a slot outside the cache (nothing written); -5 packed weights given where this
- * build or machine has no AMX tiles (nothing written). */
+ * build or machine lacks the batched kernel (nothing written). */
 int ds_decode_layers(const struct ds_model *m, const void *const *weights,
                      const float *const *scales, const void *const *packed,
                      const void *final_norm, void *cache, void *x, void *out,
@@ -342,7 +361,7 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     for (int64_t b = 0; b < M; b++)
         if (slots[b] < 0 || slots[b] >= num_slots)
             return -4;
-    if (packed && !al_available())
+    if (packed && !(m->dt == DT_BF16 ? al_available() : fp_available()))
         return -5;
     if (packed)
         return batched_layers(m, weights, packed, final_norm, cache, x, out, positions, slots,

@@ -1,9 +1,9 @@
 """The Python side of decode_stack.c: `CpuDecodeStack`, every decoder layer of a CPU decode
 step in one C call (the model's layer loop, kernel for kernel, without a Python dispatch
 per kernel; over the int8 projections where the model is quantized). Up to GEMV_MAX_ROWS
-rows the projections stream the weights (the GEMV); a bfloat16 model on a CPU with AMX also
-takes batches up to AMX_MAX_ROWS, its projections on the tiles over the packed copies the
-layer loop uses (`linear.amx_packed`).
+rows the projections stream the weights (the GEMV); batches up to BATCH_MAX_ROWS run over
+the packed copies the layer loop also uses for them (`linear.batch_packed`: AMX tiles for
+bfloat16, AVX-512 panels for float32) where the machine and build have those kernels.
 
 Life cycle: built once per (model, KV cache) by the model, which checks there every
 weight's shape, dtype and layout and the cache's; `run` then checks only what changes per
@@ -18,11 +18,10 @@ import ctypes
 
 import torch
 
-from pdserve.engine.cpu_kernels.amx_linear import amx_available
 from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
 from pdserve.engine.cpu_kernels.paged_decode import MAX_HEAD_DIM, check_tables
 from pdserve.engine.layers.int8 import num_groups
-from pdserve.engine.layers.linear import AMX_MAX_ROWS, GEMV_MAX_ROWS, amx_packed
+from pdserve.engine.layers.linear import BATCH_MAX_ROWS, GEMV_MAX_ROWS, batch_packed
 
 
 class DsModel(ctypes.Structure):
@@ -38,19 +37,15 @@ _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers")
            -2: (ValueError, "a position is outside the RoPE tables"),
            -3: (MemoryError, "the paged decode kernel could not allocate its scratch memory"),
            -4: (ValueError, "a slot is outside the KV cache"),
-           -5: (RuntimeError, "the batched decode stack needs AMX tiles, which this build or "
-                              "machine lacks")}
+           -5: (RuntimeError, "the batched decode stack's kernel (AMX tiles, AVX-512 "
+                              "panels) is missing from this build or machine")}
 
 
-def _packed_pointers(model, kv_data: torch.Tensor, layer_weights: list[torch.Tensor]
-                     ) -> ctypes.Array | None:
-    """Pointers to the AMX-packed copies of a bfloat16 model's projections (`amx_packed`,
-    made at model load), None in each norm's place; None where the batched form cannot run
-    (not bfloat16, no AMX tiles, a projection the tiles do not take)."""
-    if (model.dtype != torch.bfloat16 or kv_data.dtype != torch.bfloat16
-            or not amx_available()):
-        return None
-    packed = [amx_packed(t) if t.dim() == 2 else None for t in layer_weights]
+def _packed_pointers(layer_weights: list[torch.Tensor]) -> ctypes.Array | None:
+    """Pointers to the packed copies of the model's projections (`batch_packed`, made at
+    model load), None in each norm's place; None where the batched form cannot run (a
+    projection without a packed copy: its dtype or shape, or no kernel here)."""
+    packed = [batch_packed(t) if t.dim() == 2 else None for t in layer_weights]
     if any(p is None for t, p in zip(layer_weights, packed) if t.dim() == 2):
         return None
     return (ctypes.c_void_p * len(packed))(*(None if p is None else p.data_ptr()
@@ -117,10 +112,10 @@ class CpuDecodeStack:
         self._kv = kv_data
         self._model = model
         # the batched form's packed projections (None in a norm's place), or None
-        self._packed = _packed_pointers(model, kv_data, [
+        self._packed = _packed_pointers([
             getattr(layer, name) for layer in model.layers for name in want])
         # the most rows `run` takes
-        self.max_rows = AMX_MAX_ROWS if self._packed is not None else GEMV_MAX_ROWS
+        self.max_rows = BATCH_MAX_ROWS if self._packed is not None else GEMV_MAX_ROWS
         self._num_slots = kv_data.shape[2] * kv_data.shape[3]
         self._dims = DsModel(
             L=d.num_layers, H=h, Hq=d.num_heads, Hkv=d.num_kv_heads, D=d.head_dim, I=i,

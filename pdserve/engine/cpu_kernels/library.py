@@ -123,6 +123,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.al_pack.restype = None
     lib.al_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
     lib.al_linear.restype = i32
+    # f32_panels.c
+    lib.fp_available.argtypes = []
+    lib.fp_available.restype = i32
+    lib.fp_pack.argtypes = [p, i64, i64, p]
+    lib.fp_pack.restype = None
+    lib.fp_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
+    lib.fp_linear.restype = i32
     # argmax.c
     lib.am_argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.am_argmax_rows.restype = None

@@ -1,5 +1,6 @@
-"""x @ W.T for the model's projections: F.linear, oneDNN's matmul, or the C GEMV for the
-few rows of a decode step on the CPU."""
+"""x @ W.T for the model's projections: F.linear, oneDNN's matmul, or on the CPU the C
+kernels for decode steps: the GEMV for a few rows, and for batches the AMX tiles (bfloat16)
+or AVX-512 panels (float32) over a packed copy of each weight."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # work is a GEMM and oneDNN's blocked kernels win (crossover measured with
 # `python -m pdserve.bench.cpu_linear`, docs/benchmarks.md section 6).
 GEMV_MAX_ROWS = 4
-# From there up to this many rows a bfloat16 projection runs on AMX tiles where the CPU has
-# them (pdserve::amx_linear): 1.2-1.6x oneDNN's matmul over a whole step's projections at
-# 8-64 rows; at 128 rows and more oneDNN's blocking wins (docs/benchmarks.md section 6).
-AMX_MAX_ROWS = 64
+# From there up to this many rows a projection runs on its packed copy (`batch_packed`)
+# where the CPU takes it: bfloat16 on AMX tiles (pdserve::amx_linear, 1.2-1.6x oneDNN's
+# matmul over a whole step's projections at 8-64 rows; at 128 rows and more oneDNN's
+# blocking wins), float32 on AVX-512 panels (pdserve::f32_panels_linear, as fast as
+# oneDNN there and one kernel with the decode stack's batched form) (docs/benchmarks.md
+# section 6).
+BATCH_MAX_ROWS = 64
 # oneDNN's blocked copy of a weight is made for a batch size, but serves any (measured:
 # a copy made for M rows ran M + 7 rows as fast); 128 is between a decode batch and a
 # prefill chunk.
@@ -63,14 +67,14 @@ def cpu_linear() -> Linear:
 
     load()
     gemm = blocked_onednn_linear()
-    tiles = amx_tiles_linear()
+    batched = packed_linear()
 
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if m <= GEMV_MAX_ROWS and x.dtype in DTYPE_CODES:
             return gemv_linear(x, weight)
-        if tiles is not None and m <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
-            y = tiles(x, weight)
+        if m <= BATCH_MAX_ROWS:
+            y = batched(x, weight)
             if y is not None:
                 return y
         return gemm(x, weight)
@@ -78,50 +82,55 @@ def cpu_linear() -> Linear:
     return linear
 
 
-def amx_tiles_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
-    """x @ W.T on AMX tiles over `amx_packed(weight)`; None for a weight the tiles cannot
-    take. None where this CPU, kernel or build has no AMX."""
-    from pdserve.engine.cpu_kernels.amx_linear import amx_available, amx_linear
+def packed_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """x @ W.T over `batch_packed(weight)`: AMX tiles for bfloat16, AVX-512 panels for
+    float32; None where the weight has no packed copy (its dtype, its shape, or this
+    CPU or build lacks the kernel)."""
+    from pdserve.engine.cpu_kernels.amx_linear import amx_linear
+    from pdserve.engine.cpu_kernels.f32_panels import f32_panels_linear
 
-    if not amx_available():
-        return None
+    kernels = {torch.bfloat16: amx_linear, torch.float32: f32_panels_linear}
 
-    def tiles_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        p = amx_packed(weight)
-        if p is None or x.shape[1] != weight.shape[1]:
+    def batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        p = batch_packed(weight)
+        if p is None or x.dtype != weight.dtype or x.shape[1] != weight.shape[1]:
             return None
-        return amx_linear(x if x.stride(-1) == 1 else x.contiguous(), p, weight.shape[0])
+        return kernels[x.dtype](x if x.stride(-1) == 1 else x.contiguous(), p, weight.shape[0])
 
-    return tiles_linear
-
-
-# weight id -> its packed copy (None: the tiles cannot take it); dropped with the weight
-_amx_packs: dict[int, torch.Tensor | None] = {}
+    return batched_linear
 
 
-def amx_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """The AMX tiles' packed copy of a bfloat16 weight, made at its first use and kept while
-    the weight lives (like oneDNN's blocked copy: one more copy of the projections in
-    memory), shared by the layer loop and the decode stack; None when it cannot be packed."""
-    from pdserve.engine.cpu_kernels.amx_linear import amx_pack, packable
+# weight id -> its packed copy (None: no kernel takes it); dropped with the weight
+_packs: dict[int, torch.Tensor | None] = {}
+
+
+def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of a weight the batched kernels read (a bfloat16 weight in the AMX
+    tiles' layout where the CPU has them, a float32 one in AVX-512 panels where the build
+    has them), made at its first use and kept while the weight lives (like oneDNN's blocked
+    copy: one more copy of the projections in memory), shared by the layer loop and the
+    decode stack; None when no kernel here takes it."""
+    from pdserve.engine.cpu_kernels import amx_linear, f32_panels
 
     key = id(weight)
-    if key not in _amx_packs:
-        _amx_packs[key] = amx_pack(weight.contiguous()) if packable(weight) else None
-        weakref.finalize(weight, _amx_packs.pop, key, None)
-    return _amx_packs[key]
+    if key not in _packs:
+        packed = None
+        if amx_linear.packable(weight) and amx_linear.amx_available():
+            packed = amx_linear.amx_pack(weight.contiguous())
+        elif f32_panels.packable(weight) and f32_panels.panels_available():
+            packed = f32_panels.f32_pack(weight.contiguous())
+        _packs[key] = packed
+        weakref.finalize(weight, _packs.pop, key, None)
+    return _packs[key]
 
 
 def prepack_cpu_copies(linear: Linear, weights: list[torch.Tensor]) -> None:
     """Make the copies `cpu_linear` keeps of these weights now: oneDNN's blocked copy (one
-    product of AMX_MAX_ROWS + 1 zero rows each) and, where the CPU has AMX, the tiles'."""
-    from pdserve.engine.cpu_kernels.amx_linear import amx_available
-
+    product of BATCH_MAX_ROWS + 1 zero rows each) and the batched kernels' (`batch_packed`)."""
     with torch.inference_mode():
         for w in weights:
-            linear(torch.zeros(AMX_MAX_ROWS + 1, w.shape[1], dtype=w.dtype), w)
-            if w.dtype == torch.bfloat16 and amx_available():
-                amx_packed(w)
+            linear(torch.zeros(BATCH_MAX_ROWS + 1, w.shape[1], dtype=w.dtype), w)
+            batch_packed(w)
 
 
 def pick_linear(device: torch.device, impl: str = "torch") -> Linear:

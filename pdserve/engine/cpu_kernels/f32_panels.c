@@ -1,0 +1,127 @@
+/* float32 x @ W^T for batched decode rows (5-64) on AVX-512 FMA: the float32 counterpart of
+ * amx_linear.c, for the layer loop and the decode stack's batched form.
+ *
+ * W [N, K] is packed once (fp_pack) into panels of 32 output columns, k-major:
+ * [N / 32][K][32]. For a block of up to 12 rows of x and one panel, every k loads the
+ * panel's 32 weights (two 64-byte vectors) and broadcasts the block's 12 inputs into 24
+ * accumulators: 24 FMAs to 2 loads and 12 broadcasts, so the FMA units, not the loads, set
+ * the pace. A panel (K x 128 bytes) stays in L2 while every row block passes over it.
+ *
+ * Each output is one float32 FMA chain over k in order, whatever the row block, the run
+ * of panels or the thread: the layer loop and the decode stack get the same bits.
+ * Measured on this machine (2 vCPUs, docs/benchmarks.md section 6): a 64-row step's 120
+ * projections of SmolLM2-135M 87-105 ms, oneDNN's matmul on its blocked copies ~109.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define PANEL 32 /* output columns per panel */
+#define ROWS 12  /* rows of x per block: 24 accumulators of the 32 vector registers */
+
+/* 1 when this build has the AVX-512 kernel, else 0 (fp_blocks and fp_linear do nothing). */
+int fp_available(void)
+{
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* w [N, K] float32 (N % 32 == 0) into panels [N / 32][K][32]. */
+void fp_pack(const float *w, int64_t N, int64_t K, float *packed)
+{
+    for (int64_t p = 0; p < N / PANEL; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int j = 0; j < PANEL; j++)
+                packed[(p * K + k) * PANEL + j] = w[(p * PANEL + j) * K + k];
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* y[r, 0:32] for the R rows at x (row stride x_stride) over one panel. */
+INLINE void panel_rows(const float *x, int64_t x_stride, const float *panel, int64_t K,
+                       float *y, int64_t y_stride, const int R)
+{
+    __m512 lo[ROWS], hi[ROWS];
+    for (int r = 0; r < R; r++) {
+        lo[r] = _mm512_setzero_ps();
+        hi[r] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w0 = _mm512_loadu_ps(panel + k * PANEL);
+        const __m512 w1 = _mm512_loadu_ps(panel + k * PANEL + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * x_stride + k]);
+            lo[r] = _mm512_fmadd_ps(a, w0, lo[r]);
+            hi[r] = _mm512_fmadd_ps(a, w1, hi[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(y + r * y_stride, lo[r]);
+        _mm512_storeu_ps(y + r * y_stride + 16, hi[r]);
+    }
+}
+
+/* The last M % 12 rows: R a constant in each case, so the loops above unroll. */
+static void rest_rows(const float *x, int64_t x_stride, const float *panel, int64_t K, float *y,
+                      int64_t y_stride, int R)
+{
+    switch (R) {
+#define CASE(n)                                                                               \
+    case n:                                                                                   \
+        panel_rows(x, x_stride, panel, K, y, y_stride, n);                                    \
+        break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10)
+        CASE(11)
+#undef CASE
+    }
+}
+#endif
+
+/* Output columns [32 * p0, 32 * p1) of y [M, N] (row stride y_stride) = x [M, K] (row
+ * stride x_stride) @ W^T, W packed by fp_pack: one thread's run (the decode stack hands
+ * runs out). */
+void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed, int64_t K,
+               float *y, int64_t y_stride, int64_t p0, int64_t p1)
+{
+#ifdef __AVX512F__
+    for (int64_t p = p0; p < p1; p++) {
+        const float *panel = packed + p * K * PANEL;
+        int64_t m = 0;
+        for (; m + ROWS <= M; m += ROWS)
+            panel_rows(x + m * x_stride, x_stride, panel, K, y + m * y_stride + p * PANEL,
+                       y_stride, ROWS);
+        if (m < M)
+            rest_rows(x + m * x_stride, x_stride, panel, K, y + m * y_stride + p * PANEL,
+                      y_stride, (int)(M - m));
+    }
+#else
+    (void)x, (void)x_stride, (void)M, (void)packed, (void)K, (void)y, (void)y_stride, (void)p0,
+        (void)p1;
+#endif
+}
+
+/* y [M, N] (contiguous) = x [M, K] @ W^T over the packed panels, each thread a contiguous
+ * run of panels. Returns 0, or -1 where this build lacks the kernel (nothing written). */
+int fp_linear(const float *x, int64_t x_stride, int64_t M, const float *packed, int64_t N,
+              int64_t K, float *y, int num_threads)
+{
+    if (!fp_available())
+        return -1;
+    const int64_t panels = N / PANEL;
+    if (num_threads > panels)
+        num_threads = (int)panels;
+    if (num_threads < 1)
+        num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t t = team_thread(), nt = team_size();
+        fp_blocks(x, x_stride, M, packed, K, y, N, panels * t / nt, panels * (t + 1) / nt);
+    }
+    return 0;
+}
