@@ -14,7 +14,8 @@ import functools
 
 import torch
 
-from pdserve.engine.cpu_kernels.library import load, register_fake, require, typed_op
+from pdserve.engine.cpu_kernels import packed_checks
+from pdserve.engine.cpu_kernels.library import load, register_fake, typed_op
 
 K_STEP, N_BLOCK = 32, 16  # a weight's K must divide by 32 and its N by 16
 
@@ -27,17 +28,11 @@ def amx_available() -> bool:
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether amx_pack takes this weight (bfloat16 [N, K], N % 16 == K % 32 == 0)."""
-    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
-            and weight.shape[0] % N_BLOCK == 0 and weight.shape[1] % K_STEP == 0
-            and weight.shape[0] > 0 and weight.shape[1] > 0)
+    return packed_checks.packable(weight, torch.bfloat16, N_BLOCK, K_STEP)
 
 
 def _check_pack(weight: torch.Tensor) -> None:
-    require(weight=weight)
-    if not packable(weight) or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous bfloat16 CPU [N, K] with N % {N_BLOCK} "
-                         f"== 0 and K % {K_STEP} == 0, got {weight.dtype} "
-                         f"{tuple(weight.shape)} on {weight.device}")
+    packed_checks.check_pack(weight, torch.bfloat16, N_BLOCK, K_STEP)
 
 
 @typed_op("amx_pack")
@@ -56,20 +51,7 @@ def _(weight):
 
 
 def _check_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> None:
-    require(x=x, packed=packed)
-    if x.device.type != "cpu" or packed.device.type != "cpu":
-        raise ValueError(f"x and packed must be CPU tensors, got {x.device} and "
-                         f"{packed.device}")
-    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
-        raise ValueError(f"x and packed must be bfloat16, got {x.dtype} and {packed.dtype}")
-    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
-        raise ValueError(f"x must be [M, K] with contiguous rows, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
-    k = x.shape[1]
-    if (n <= 0 or k <= 0 or n % N_BLOCK or k % K_STEP or packed.dim() != 1
-            or packed.numel() != n * k or not packed.is_contiguous()):
-        raise ValueError(f"packed must be amx_pack of a [{n}, {k}] weight (N % {N_BLOCK} == 0, "
-                         f"K % {K_STEP} == 0), got {packed.numel()} elements")
+    packed_checks.check_linear(x, packed, n, torch.bfloat16, N_BLOCK, K_STEP, "amx_pack")
 
 
 @typed_op("amx_linear")

@@ -14,7 +14,8 @@ import functools
 
 import torch
 
-from pdserve.engine.cpu_kernels.library import load, register_fake, require, typed_op
+from pdserve.engine.cpu_kernels import packed_checks
+from pdserve.engine.cpu_kernels.library import load, register_fake, typed_op
 
 PANEL = 32  # a weight's N must divide by 32
 
@@ -27,15 +28,11 @@ def panels_available() -> bool:
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether f32_pack takes this weight (float32 [N, K], N % 32 == 0)."""
-    return (weight.dtype == torch.float32 and weight.dim() == 2 and weight.device.type == "cpu"
-            and weight.shape[0] % PANEL == 0 and weight.shape[0] > 0 and weight.shape[1] > 0)
+    return packed_checks.packable(weight, torch.float32, PANEL, 1)
 
 
 def _check_pack(weight: torch.Tensor) -> None:
-    require(weight=weight)
-    if not packable(weight) or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous float32 CPU [N, K] with N % {PANEL} == 0,"
-                         f" got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    packed_checks.check_pack(weight, torch.float32, PANEL, 1)
 
 
 @typed_op("f32_pack")
@@ -54,20 +51,7 @@ def _(weight):
 
 
 def _check_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> None:
-    require(x=x, packed=packed)
-    if x.device.type != "cpu" or packed.device.type != "cpu":
-        raise ValueError(f"x and packed must be CPU tensors, got {x.device} and "
-                         f"{packed.device}")
-    if x.dtype != torch.float32 or packed.dtype != torch.float32:
-        raise ValueError(f"x and packed must be float32, got {x.dtype} and {packed.dtype}")
-    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
-        raise ValueError(f"x must be [M, K] with contiguous rows, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
-    k = x.shape[1]
-    if (n <= 0 or k <= 0 or n % PANEL or packed.dim() != 1 or packed.numel() != n * k
-            or not packed.is_contiguous()):
-        raise ValueError(f"packed must be f32_pack of a [{n}, {k}] weight (N % {PANEL} == 0), "
-                         f"got {packed.numel()} elements")
+    packed_checks.check_linear(x, packed, n, torch.float32, PANEL, 1, "f32_pack")
 
 
 @typed_op("f32_panels_linear")
