@@ -104,7 +104,7 @@ def test_cpu_ops_use_it_for_decode_rows_only(monkeypatch):
     # a weight that goes away takes its blocked copy with it: a new one is packed anew
     del wd, w
     gc.collect()
-    ops.linear(torch.randn(50, 32), torch.randn(64, 32))
+    ops.linear(torch.randn(linear.BATCH_MAX_ROWS + 1, 32), torch.randn(64, 32))
     assert len(packs) == 3
     # the eager bundle, the reference, never takes the C path
     assert build_layer_ops("torch", torch.device("cpu")).linear is linear.onednn_linear
