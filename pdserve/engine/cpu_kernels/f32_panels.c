@@ -9,8 +9,10 @@
  *
  * Each output is one float32 FMA chain over k in order, whatever the row block, the run
  * of panels or the thread: the layer loop and the decode stack get the same bits.
- * Measured on this machine (2 vCPUs, docs/benchmarks.md section 6): a 64-row step's 120
- * projections of SmolLM2-135M 87-105 ms, oneDNN's matmul on its blocked copies ~109.
+ * Why not oneDNN's matmul: this kernel is no faster per call (0.77-0.96x at 8-64 rows,
+ * docs/benchmarks.md section 6, session 14), but the decode stack can call it inside its
+ * one parallel region, which makes a whole float32 step of 8-64 rows 0.56-0.80x the layer
+ * loop's.
  */
 #include <stdint.h>
 #include <stdlib.h>
