@@ -158,6 +158,7 @@ class AsyncEngine:
         q = self._streams.get(request_id)
         if q is None:
             raise KeyError(request_id)
+
         def keepalive() -> bool:  # idle_s without a batch: an empty one, and go on
             q.put_nowait(_KEEPALIVE)
             return True

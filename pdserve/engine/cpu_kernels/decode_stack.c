@@ -15,7 +15,7 @@
  *
  * A thread whose share is done takes what its siblings have not started (see "Work
  * sharing" below): on two cores the gateway and the workers' event loops take a core from
- * one engine thread now and then, and with fixed shares the other thread then spun at the
+ * one engine thread now and then, and with fixed shares the other thread would spin at the
  * next barrier until the first came back to its share. Every column and row is computed
  * the same way whichever thread takes it, so the result does not depend on who took what.
  *

@@ -110,10 +110,10 @@ def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
     has them), made at its first use and kept while the weight lives (like oneDNN's blocked
     copy: one more copy of the projections in memory), shared by the layer loop and the
     decode stack; None when no kernel here takes it."""
-    from pdserve.engine.cpu_kernels import amx_linear, f32_panels
-
     key = id(weight)
-    if key not in _packs:
+    if key not in _packs:  # first use only: every batched projection call comes here
+        from pdserve.engine.cpu_kernels import amx_linear, f32_panels
+
         packed = None
         if amx_linear.packable(weight) and amx_linear.amx_available():
             packed = amx_linear.amx_pack(weight.contiguous())
