@@ -49,7 +49,8 @@ class DecodeTier:
         self.table.start()
         self.service = DecodeService(worker.aengine, self.table, worker.metrics, worker.stats,
                                      shm, keepalive_s=worker.config.stream_keepalive_s,
-                                     stream_interval=worker.config.stream_interval)
+                                     stream_interval=worker.config.stream_interval,
+                                     refusal=lambda method: server.refuse(method))
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, server)
         self.kv_receiver = KVTransferService(self.table, shm)
         self.kv_receiver.add_to_server(server)
@@ -89,6 +90,10 @@ class DecodeWorker(WorkerBase):
         self.tier = DecodeTier(self, server, self.kv_transport, self.kv_shm_bytes)
         self.table, self.service = self.tier.table, self.tier.service
         self.kv_receiver, self.shm = self.tier.kv_receiver, self.tier.shm
+
+    def end_sessions(self) -> None:
+        if hasattr(self, "tier"):
+            self.tier.service.end_sessions()
 
     async def stop_tier(self) -> None:
         if hasattr(self, "tier"):

@@ -4,6 +4,8 @@
                  plus a shared-memory segment offer for same-host senders when enabled
     Decode    -> stream the reserved request's tokens; starts when its KV commits
     Generate  -> colocated: this worker prefills and decodes
+    Session   -> many Decode / Generate streams on one call, one message per batch of
+                 chunks ready together (session.py)
     Cancel    -> release a reservation or abort a running request; blocks free next step
     Stats     -> load for the gateway's router
 
@@ -19,6 +21,7 @@ UNAVAILABLE.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -29,6 +32,7 @@ import grpc
 from pdserve.convert import kv_spec_to_proto, logprobs_to_proto
 from pdserve.deadlines import STREAM_KEEPALIVE_S
 from pdserve.decode_worker.reservations import ReservationTable
+from pdserve.decode_worker.session import StreamRefused, StreamSession
 from pdserve.engine.async_engine import AsyncEngine, EngineFailed, RequestError
 from pdserve.engine.llm_engine import SeqDelta
 from pdserve.kvtransfer.shm import ShmSegmentPool, kv_bytes, offer_to_proto
@@ -43,7 +47,10 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, aengine: AsyncEngine, table: ReservationTable, metrics: TierMetrics,
                  stats: Callable[[], Awaitable[common_pb2.StatsResponse]],
                  shm: ShmSegmentPool | None = None,
-                 keepalive_s: float = STREAM_KEEPALIVE_S, stream_interval: int = 1) -> None:
+                 keepalive_s: float = STREAM_KEEPALIVE_S, stream_interval: int = 1,
+                 refusal: Callable[[str], str | None] = lambda method: None) -> None:
+        """refusal(method): why the worker turns that method's new work away now (None:
+        it takes it); the server's own check, which a Session's streams go through too."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, not {stream_interval}")
         self.aengine = aengine
@@ -53,6 +60,8 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         self.table = table
         self.metrics = metrics
         self._stats = stats
+        self._refusal = refusal
+        self._sessions: set[StreamSession] = set()
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
@@ -77,24 +86,66 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        async for chunk in self._answer(self.decode_chunks(request), context):
+            yield chunk
+
+    async def Generate(self, request: decode_pb2.ColocatedGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
+        async for chunk in self._answer(self.generate_chunks(request), context):
+            yield chunk
+
+    async def Session(self, request_iterator: AsyncIterator[decode_pb2.SessionUp],
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[decode_pb2.SessionDown]:
+        session = StreamSession(self, self._refusal)
+        self._sessions.add(session)
+        try:
+            async for message in session.run(request_iterator):
+                yield message
+        finally:
+            self._sessions.discard(session)
+
+    def end_sessions(self) -> None:
+        """The worker is stopping: each session ends once its streams have (opening new
+        ones is refused), so the server's stop does not wait for the gateways to hang up."""
+        for session in self._sessions:
+            session.end()
+
+    @staticmethod
+    async def _answer(chunks: AsyncIterator[decode_pb2.TokenChunk],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """A stream's chunks as a call's messages; a refusal ends the call with its status."""
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+        except StreamRefused as e:
+            await context.abort(e.code, e.details)
+
+    async def decode_chunks(self, request: decode_pb2.DecodeRequest
+                            ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """A reserved request's chunks, from its KV commit on; StreamRefused: NOT_FOUND for
+        an unknown reservation, the engine's failure."""
         rid = request.reservation_id
         request_id = self.table.request_id(rid)
         if request_id is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation_id: {rid!r} unknown "
+            raise StreamRefused(grpc.StatusCode.NOT_FOUND, f"reservation_id: {rid!r} unknown "
                                 "(expired, cancelled or never made)")
         timer = TokenTimer(self.metrics, time.monotonic())
         try:
             async for chunk in self._stream(request_id, timer, rid):
                 yield chunk
         except RequestError as e:
-            await self._engine_error(context, e)
+            raise self._engine_error(e) from None
         finally:
             # a stream that ends before KV committed frees the reservation
             self.table.release(rid, "decode stream closed before commit")
             self.table.forget(rid)
 
-    async def Generate(self, request: decode_pb2.ColocatedGenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[decode_pb2.TokenChunk]:
+    async def generate_chunks(self, request: decode_pb2.ColocatedGenerateRequest
+                              ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """A colocated request's chunks; StreamRefused: INVALID_ARGUMENT for a request the
+        engine refuses, the engine's failure."""
         request_id = request.request_id or uuid.uuid4().hex
         timer = TokenTimer(self.metrics, time.monotonic())
         try:
@@ -102,18 +153,18 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
             await self.aengine.add_request(request_id, list(request.prompt_token_ids), params)
         except ValueError as e:
             self.metrics.error("INVALID_ARGUMENT")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
             async for chunk in self._stream(request_id, timer, None):
                 yield chunk
         except RequestError as e:
-            await self._engine_error(context, e)
+            raise self._engine_error(e) from None
 
-    async def _engine_error(self, context: grpc.aio.ServicerContext, e: RequestError) -> None:
+    def _engine_error(self, e: RequestError) -> StreamRefused:
         code = (grpc.StatusCode.INTERNAL if isinstance(e, EngineFailed)
                 else grpc.StatusCode.UNAVAILABLE)
         self.metrics.error(code.name)
-        await context.abort(code, str(e))
+        return StreamRefused(code, str(e))
 
     async def _stream(self, request_id: str, timer: TokenTimer, reservation_id: str | None
                       ) -> AsyncIterator[decode_pb2.TokenChunk]:

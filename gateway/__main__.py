@@ -80,6 +80,12 @@ def build_parser(prog: str = "python -m pdserve.gateway") -> argparse.ArgumentPa
                    help="a worker's token stream that shows nothing (no token, no keepalive) "
                         f"for S seconds fails with 503 / UNAVAILABLE (default "
                         f"{_D.stream_idle_s:g})")
+    p.add_argument("--decode-streams", choices=("session", "per-request"), default="session",
+                   help="how a decode worker's token streams reach this gateway: 'session' "
+                        "(default) carries all of this gateway's requests at one worker on "
+                        "one call, a step's tokens in one message; 'per-request' opens a "
+                        "call per request, a message per token (the cost per token that "
+                        "sessions remove; also what a worker without sessions gets)")
     g = p.add_argument_group("planner (moves switchable workers between the tiers)")
     g.add_argument("--planner", choices=[m.value for m in PlannerMode], default=_P.mode.value,
                    help="off: never move a worker; queue: follow prefill queue depth and "
@@ -111,7 +117,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
         max_queue=a.max_queue, max_inflight=a.max_inflight,
         heartbeat_timeout_s=a.heartbeat_timeout, default_max_tokens=a.default_max_tokens,
         max_body_bytes=a.max_body_bytes, grace_s=a.grace, rpc_timeout_s=a.rpc_timeout,
-        stream_idle_s=a.stream_idle_timeout,
+        stream_idle_s=a.stream_idle_timeout, decode_sessions=a.decode_streams == "session",
         planner=PlannerConfig(mode=PlannerMode(a.planner), ttft_slo_s=a.ttft_slo,
                               tpot_slo_s=a.tpot_slo, sustain_s=a.planner_sustain,
                               dwell_s=a.planner_dwell, min_prefill=a.planner_min_prefill))

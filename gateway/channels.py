@@ -1,6 +1,8 @@
 """gRPC channels to workers, one per address, opened on first use and shared by every
 request to that worker. Made by `pdserve.rpc.aio_channel`: each call carries the cluster
-credential, and the keepalive agrees with what the workers' servers accept."""
+credential, and the keepalive agrees with what the workers' servers accept. Token streams
+from a decode worker go on one Session call per worker (decode_session.py) unless this
+gateway was told to open a call per request."""
 
 from __future__ import annotations
 
@@ -12,6 +14,12 @@ import grpc
 
 from pdserve import rpc
 from pdserve.cluster_auth import ClusterCredentials
+from pdserve.gateway.decode_session import (
+    DecodeSession,
+    OpenRequest,
+    TokenStream,
+    per_request_call,
+)
 from pdserve.protos.pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("pdserve.gateway")
@@ -26,10 +34,16 @@ class WorkerStubs:
 
 class WorkerChannels:
     def __init__(self, credentials: ClusterCredentials = ClusterCredentials(),
-                 keepalive: rpc.Keepalive = rpc.DEFAULT_KEEPALIVE) -> None:
+                 keepalive: rpc.Keepalive = rpc.DEFAULT_KEEPALIVE,
+                 sessions: bool = True) -> None:
+        """sessions: token streams on one Session call per decode worker (False: a call
+        per request)."""
         self.credentials = credentials
         self.keepalive = keepalive
+        self.sessions = sessions
         self._stubs: dict[str, WorkerStubs] = {}
+        self._sessions: dict[str, DecodeSession] = {}
+        self._no_sessions: set[str] = set()  # workers that answered UNIMPLEMENTED
         self._tasks: set[asyncio.Task] = set()
 
     def get(self, address: str) -> WorkerStubs:
@@ -40,6 +54,28 @@ class WorkerChannels:
                             prefill_pb2_grpc.PrefillWorkerStub(ch))
             self._stubs[address] = s
         return s
+
+    def token_stream(self, address: str, request: OpenRequest, timeout: float | None
+                     ) -> TokenStream | grpc.aio.Call:
+        """A Decode (reserved) or Generate (colocated) token stream at the decode worker
+        at `address`: on its Session call, or as a call of its own. Read either with
+        `read()`, end either with `cancel()`."""
+        stub = self.get(address).decode
+        if not self.sessions or address in self._no_sessions:
+            return per_request_call(stub, request, timeout)
+        session = self._sessions.get(address)
+        if session is None or session.closed:
+            session = self._sessions[address] = DecodeSession(stub, address,
+                                                              self._session_closed)
+        return session.open(request, timeout)
+
+    def _session_closed(self, session: DecodeSession, code: grpc.StatusCode | None) -> None:
+        if self._sessions.get(session.address) is session:
+            del self._sessions[session.address]
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            log.info("decode worker %s has no Session method: a call per request there",
+                     session.address)
+            self._no_sessions.add(session.address)
 
     def cancel(self, address: str, request_id: str = "", reservation_id: str = "",
                reason: str = "") -> None:
@@ -73,6 +109,10 @@ class WorkerChannels:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
     async def close(self, address: str) -> None:
+        session = self._sessions.pop(address, None)
+        if session is not None:
+            session.close()
+        self._no_sessions.discard(address)
         s = self._stubs.pop(address, None)
         if s is not None:
             await s.channel.close()

@@ -421,8 +421,7 @@ class Orchestrator:
         last: GatewayError | None = None
         for w in router.rank_decode(self._routable(decodes), len(req.prompt_token_ids),
                                     self.inflight):
-            call = self.channels.get(w.address).decode.Generate(
-                msg, timeout=self._remaining(req))
+            call = self.channels.token_stream(w.address, msg, self._remaining(req))
             slot = self.inflight.open(w)
             slot.track(call)
             trace.decode = w
@@ -581,9 +580,9 @@ class Orchestrator:
                 call = None
                 finished = False
                 try:
-                    call = ds.track(self.channels.get(d.address).decode.Decode(
-                        decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
-                        timeout=self._remaining(req)))
+                    call = ds.track(self.channels.token_stream(
+                        d.address, decode_pb2.DecodeRequest(reservation_id=resv.reservation_id),
+                        self._remaining(req)))
                     try:
                         with self.inflight.hold(p) as ps:
                             trace.prefill = await self._prefill(req, ps, ds, resv)

@@ -86,6 +86,8 @@ class GatewayConfig:
     credentials: ClusterCredentials = ClusterCredentials()
     rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S  # every unary call to a worker
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a token stream silent this long: UNAVAILABLE
+    # token streams on one Session call per decode worker; False: one call per request
+    decode_sessions: bool = True
     planner: PlannerConfig = PlannerConfig()  # mode OFF: no planner task
 
     def __post_init__(self) -> None:
@@ -117,7 +119,7 @@ class Gateway:
         self.http_port: int | None = None
         self.registry_port: int | None = None
         self.registry = WorkerRegistry(config.heartbeat_timeout_s)
-        self.channels = WorkerChannels(config.credentials)
+        self.channels = WorkerChannels(config.credentials, sessions=config.decode_sessions)
         self.admission = AdmissionController(config.max_inflight, config.max_queue)
         self.metrics = TierMetrics(config.model, "gateway", self.gateway_id)
         self.metrics.running.set_function(lambda: self.admission.num_inflight)

@@ -135,6 +135,10 @@ class RoleWorker(WorkerBase):
         super().refresh_metrics()
         self.decode.refresh_metrics()
 
+    def end_sessions(self) -> None:
+        if hasattr(self, "decode"):
+            self.decode.service.end_sessions()
+
     async def stop_tier(self) -> None:
         if self._switch_task is not None:
             self._switch_task.cancel()

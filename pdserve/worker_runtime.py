@@ -474,6 +474,7 @@ class WorkerBase:
         await asyncio.gather(*(r.stop() for r in self.registrations))
         if self.aengine is not None and grace > 0:
             await self.drain(grace)
+        self.end_sessions()
         if self.grpc is not None:
             await self.grpc.stop(min(grace, 2.0))
         await self.stop_tier()
@@ -481,6 +482,10 @@ class WorkerBase:
             await self.aengine.stop()
         if self.metrics_server is not None:
             await self.metrics_server.stop()
+
+    def end_sessions(self) -> None:
+        """Tier-specific: end the long-lived calls that carry many requests once those
+        requests have ended, so that the server's stop need not cancel them."""
 
     async def stop_tier(self) -> None:
         """Tier-specific teardown, after the server stopped and before the engine does."""

@@ -174,7 +174,8 @@ def run(a: argparse.Namespace) -> list[Row]:
     cluster = LocalCluster(ClusterConfig(
         model=a.model, num_prefill=layout.num_prefill, num_decode=layout.num_decode,
         http_port=0, grpc_port=0, cpus="auto", engine_args=engine_args,
-        decode_args=("--stream-interval", str(a.stream_interval))))
+        decode_args=("--stream-interval", str(a.stream_interval)),
+        gateway_args=("--decode-streams", a.decode_streams)))
     print(f"layout: {layout.describe()}", file=sys.stderr)
     rows: list[Row] = []
     own = os.sched_getaffinity(0)
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="the decode worker's --stream-interval (default 1)")
+    p.add_argument("--decode-streams", default="session", choices=["session", "per-request"],
+                   help="the gateway's --decode-streams (default session)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
     return p
 

@@ -80,3 +80,37 @@ class CancelResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class SessionUp(_message.Message):
+    __slots__ = ("stream_id", "decode", "generate", "cancel", "timeout_s")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    decode: DecodeRequest
+    generate: ColocatedGenerateRequest
+    cancel: bool
+    timeout_s: float
+    def __init__(self, stream_id: _Optional[int] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., generate: _Optional[_Union[ColocatedGenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SessionEntry(_message.Message):
+    __slots__ = ("stream_id", "chunk", "end", "status_code", "status_details")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    chunk: TokenChunk
+    end: bool
+    status_code: int
+    status_details: str
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ...) -> None: ...
+
+class SessionDown(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[SessionEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[SessionEntry, _Mapping]]] = ...) -> None: ...

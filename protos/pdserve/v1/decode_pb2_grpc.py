@@ -60,6 +60,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/Session',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.SessionUp.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.SessionDown.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -106,6 +111,19 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Many requests' token streams on one call, one call per gateway and worker: the
+        gateway opens each stream with a Decode or Generate request of its own and may cancel
+        it; the worker sends in each message every chunk that is ready, so one decode step's
+        tokens for all of that gateway's requests cost one message. A stream carries what
+        Decode or Generate would send and ends as they would (its status in its last entry).
+        Ending the call ends every stream on it, as ending each call would. A worker that
+        takes no new colocated work refuses a Generate stream with UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +151,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.SessionUp.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_decode__pb2.SessionDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +293,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Stats',
             protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_common__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/Session',
+            protos_dot_pdserve_dot_v1_dot_decode__pb2.SessionUp.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_decode__pb2.SessionDown.FromString,
             options,
             channel_credentials,
             insecure,
