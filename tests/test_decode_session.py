@@ -261,3 +261,34 @@ def test_a_worker_without_sessions_gets_a_call_per_request():
             await server.stop(0)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("sessions", [True, False], ids=["session", "per-request"])
+def test_through_the_gateway_either_way(tiny_model_dir, sessions):
+    """The gateway's requests, colocated and disaggregated, give the engine's tokens over
+    sessions and over a call per request (`--decode-streams`); only the first opens
+    sessions at the worker."""
+    import openai
+    from conftest import tiny_engine
+    from test_gateway_support import Cluster
+
+    prompts = ["Hello", "In a distant galaxy, far beyond the reach of any telescope, lived"]
+    eng = tiny_engine(tiny_model_dir, num_threads=1)
+    ids = [eng.tokenizer.encode(p) for p in prompts]
+    want = [eng.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+            for o in eng.generate(ids, GREEDY)]
+    assert len(ids[0]) < 8 <= len(ids[1])  # one colocated, one disaggregated
+    c = Cluster(tiny_model_dir, disagg_threshold=8, decode_sessions=sessions)
+    try:
+        c.add_worker("prefill")
+        dec = c.add_worker("decode")
+        oai = openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0)
+        for p, w in zip(prompts, want):
+            stream = oai.completions.create(model=tiny_model_dir, prompt=p, stream=True,
+                                            max_tokens=GREEDY.max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert "".join(ch.choices[0].text for ch in stream if ch.choices) == w
+        assert bool(dec.service._sessions) == sessions
+        c.assert_no_leaks()
+    finally:
+        c.close()
