@@ -2,7 +2,7 @@
 that every way sees the same machine noise (this VM's step times drift 20-30 % between
 runs; alternation within one run is what separates a few percent):
 
-    OMP_WAIT_POLICY=PASSIVE [DTYPE=float32] [BUSY=s IDLE=s] \\
+    OMP_WAIT_POLICY=PASSIVE [DTYPE=float32] [QUANT=int8] [BUSY=s IDLE=s] \\
         python docs/bench/cpu-s14/step_ab.py B L N none|hog kernels BASE_LIB
     OMP_WAIT_POLICY=PASSIVE python docs/bench/cpu-s14/step_ab.py B L N none|hog f32-batch
 
@@ -33,7 +33,8 @@ from pdserve.protocol import SamplingParams
 B, L, N, load, mode = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                        sys.argv[5])
 eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype=os.environ.get("DTYPE", "bfloat16"),
-                             num_threads=2, show_progress=False))
+                             num_threads=2, show_progress=False,
+                             quantization=os.environ.get("QUANT") or None))
 for i in range(B):
     eng.add_request(f"r{i}", [100 + (i * 7 + j) % 5000 for j in range(L)],
                     SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True))

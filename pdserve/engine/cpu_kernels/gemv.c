@@ -41,9 +41,17 @@
  * docs/benchmarks.md section 6, session 11). Past the end of w it touches nothing (a
  * prefetch does not fault). */
 #define PREFETCH_AHEAD 4096
+/* ... and PREFETCH_L2_AHEAD bytes past p into L2 only: two cores keep only as many loads to
+ * memory in flight as their L1 miss buffers hold, so the stream waited on memory's latency;
+ * the L2's own queue takes more, and lines then come to L1 from L2. A decode step over the
+ * stack, this against the L1 prefetch alone, alternated step by step (docs/benchmarks.md
+ * section 6, session 15): batch 1 bfloat16 0.956-0.973, float32 0.933, int8 0.971; float32
+ * 3 rows 0.962, bfloat16 4 rows 0.995 (8 and 32 KiB ahead: 0.965 and 0.976 at batch 1). */
+#define PREFETCH_L2_AHEAD 16384
 static inline void prefetch_w(const char *p)
 {
     _mm_prefetch(p + PREFETCH_AHEAD, _MM_HINT_T0);
+    _mm_prefetch(p + PREFETCH_L2_AHEAD, _MM_HINT_T1);
 }
 
 /* 16 weights from row w at k (masked), widened to float32. */
