@@ -9,10 +9,10 @@
  *
  * Each output is one float32 FMA chain over k in order, whatever the row block, the run
  * of panels or the thread: the layer loop and the decode stack get the same bits.
- * Why not oneDNN's matmul: this kernel is no faster per call (0.77-0.96x at 8-64 rows,
- * docs/benchmarks.md section 6, session 14), but the decode stack can call it inside its
- * one parallel region, which makes a whole float32 step of 8-64 rows 0.56-0.80x the layer
- * loop's.
+ * Why not oneDNN's matmul: the decode stack can call this inside its one parallel region,
+ * which made a whole float32 step of 8-64 rows 0.56-0.80x the layer loop's (session 14),
+ * and with its prefetch into L2 it is also faster per call: 1.17-1.48x oneDNN at 8-64 rows
+ * (`python -m pdserve.bench.cpu_linear`, docs/benchmarks.md section 6, session 15).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,6 +22,7 @@
 
 #define PANEL 32 /* output columns per panel */
 #define ROWS 12  /* rows of x per block: 24 accumulators of the 32 vector registers */
+#define PREFETCH_AHEAD 16384 /* bytes of a panel's stream asked into L2 ahead (panel_rows) */
 
 /* 1 when this build has the AVX-512 kernel, else 0 (fp_blocks and fp_linear do nothing). */
 int fp_available(void)
@@ -45,9 +46,15 @@ void fp_pack(const float *w, int64_t N, int64_t K, float *packed)
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* y[r, 0:32] for the R rows at x (row stride x_stride) over one panel. */
+/* y[r, 0:32] for the R rows at x (row stride x_stride) over one panel. pf: this is the
+ * panel's first row block, the pass that brings it from memory: the weights PREFETCH_AHEAD
+ * bytes on (this panel's later k, then the next panel's first) are asked into L2 as it
+ * goes, so the stream keeps more loads in flight than the L1's miss buffers hold; later
+ * blocks find the panel in L2. A float32 decode step over the stack, alternated step by
+ * step with the kernel without it (docs/benchmarks.md section 6, session 15): 8 rows
+ * 0.76, 32 rows 0.86, 64 rows 0.92 (8 and 32 KiB ahead: the same within the noise). */
 INLINE void panel_rows(const float *x, int64_t x_stride, const float *panel, int64_t K,
-                       float *y, int64_t y_stride, const int R)
+                       float *y, int64_t y_stride, const int R, const int pf)
 {
     __m512 lo[ROWS], hi[ROWS];
     for (int r = 0; r < R; r++) {
@@ -57,6 +64,11 @@ INLINE void panel_rows(const float *x, int64_t x_stride, const float *panel, int
     for (int64_t k = 0; k < K; k++) {
         const __m512 w0 = _mm512_loadu_ps(panel + k * PANEL);
         const __m512 w1 = _mm512_loadu_ps(panel + k * PANEL + 16);
+        if (pf) {
+            const char *ahead = (const char *)(panel + k * PANEL) + PREFETCH_AHEAD;
+            _mm_prefetch(ahead, _MM_HINT_T1);
+            _mm_prefetch(ahead + 64, _MM_HINT_T1);
+        }
         for (int r = 0; r < R; r++) {
             const __m512 a = _mm512_set1_ps(x[r * x_stride + k]);
             lo[r] = _mm512_fmadd_ps(a, w0, lo[r]);
@@ -71,12 +83,15 @@ INLINE void panel_rows(const float *x, int64_t x_stride, const float *panel, int
 
 /* The last M % 12 rows: R a constant in each case, so the loops above unroll. */
 static void rest_rows(const float *x, int64_t x_stride, const float *panel, int64_t K, float *y,
-                      int64_t y_stride, int R)
+                      int64_t y_stride, int R, int pf)
 {
     switch (R) {
 #define CASE(n)                                                                               \
     case n:                                                                                   \
-        panel_rows(x, x_stride, panel, K, y, y_stride, n);                                    \
+        if (pf)                                                                               \
+            panel_rows(x, x_stride, panel, K, y, y_stride, n, 1);                             \
+        else                                                                                  \
+            panel_rows(x, x_stride, panel, K, y, y_stride, n, 0);                             \
         break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10)
         CASE(11)
@@ -95,12 +110,16 @@ void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed,
     for (int64_t p = p0; p < p1; p++) {
         const float *panel = packed + p * K * PANEL;
         int64_t m = 0;
-        for (; m + ROWS <= M; m += ROWS)
-            panel_rows(x + m * x_stride, x_stride, panel, K, y + m * y_stride + p * PANEL,
-                       y_stride, ROWS);
+        for (; m + ROWS <= M; m += ROWS) {
+            if (m == 0)
+                panel_rows(x, x_stride, panel, K, y + p * PANEL, y_stride, ROWS, 1);
+            else
+                panel_rows(x + m * x_stride, x_stride, panel, K, y + m * y_stride + p * PANEL,
+                           y_stride, ROWS, 0);
+        }
         if (m < M)
             rest_rows(x + m * x_stride, x_stride, panel, K, y + m * y_stride + p * PANEL,
-                      y_stride, (int)(M - m));
+                      y_stride, (int)(M - m), m == 0);
     }
 #else
     (void)x, (void)x_stride, (void)M, (void)packed, (void)K, (void)y, (void)y_stride, (void)p0,
