@@ -94,6 +94,10 @@ def register(subparsers) -> None:
                         "(its first token and its end at once), so N tokens cost one message "
                         "through the tiers and the client's stream; ITL comes in steps of N "
                         "(default 1: every token as it comes)")
+    p.add_argument("--decode-streams", choices=("session", "per-request"), default="session",
+                   help="passed to the gateway: 'session' (default) carries its token streams "
+                        "from a decode worker on one call, a step's tokens in one message; "
+                        "'per-request' opens a call per request")
     add_engine_args(p)
     p.set_defaults(func=_cmd_up)
 
@@ -161,7 +165,9 @@ def _cmd_up(a: argparse.Namespace) -> int:
             grpc_port=a.grpc_port, registry_port=a.registry_port,
             disagg_threshold=a.disagg_threshold,
             engine_args=tuple(engine_argv(a)), cpus=a.cpus, log_dir=a.log_dir,
-            gateway_args=drain["gateway"], prefill_args=drain["prefill"],
+            gateway_args=(*drain["gateway"], *(("--decode-streams", a.decode_streams)
+                                               if a.decode_streams != "session" else ())),
+            prefill_args=drain["prefill"],
             decode_args=(*drain["decode"], *(("--stream-interval", str(a.stream_interval))
                                                if a.stream_interval != 1 else ())))
     except ValueError as e:
