@@ -16,6 +16,8 @@ gateway/decode_session.py), against real decode and prefill workers on loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -60,6 +62,19 @@ async def _status(stream) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await _tokens(stream)
     return e.value
+
+
+@contextlib.asynccontextmanager
+async def _decode_worker(model_dir: str) -> AsyncIterator[tuple[object, WorkerChannels]]:
+    """A real decode worker and a gateway's channels to it; its pool must end clean."""
+    dec = await _start("decode", model_dir)
+    channels = WorkerChannels()
+    try:
+        yield dec, channels
+    finally:
+        await channels.close_all()
+        await dec.stop(0)
+    assert_pool_clean(dec.engine)
 
 
 def test_streams_on_one_session_equal_their_own_calls_and_share_messages(tiny_model_dir):
@@ -110,9 +125,7 @@ def test_streams_on_one_session_equal_their_own_calls_and_share_messages(tiny_mo
 
 def test_each_stream_ends_as_its_call_would(tiny_model_dir):
     async def main():
-        dec = await _start("decode", tiny_model_dir)
-        channels = WorkerChannels()
-        try:
+        async with _decode_worker(tiny_model_dir) as (dec, channels):
             keep = channels.token_stream(dec.address, _generate(1), None)
             doomed = channels.token_stream(dec.address, _generate(2, LONG), None)
             late = channels.token_stream(dec.address, _generate(3, LONG), 0.5)
@@ -137,10 +150,6 @@ def test_each_stream_ends_as_its_call_would(tiny_model_dir):
             # the cancelled and the timed-out requests were aborted at the worker
             assert await _all_blocks_free(dec)
             assert dec.engine.counters.generation_tokens < 2 * LONG.max_tokens
-        finally:
-            await channels.close_all()
-            await dec.stop(0)
-        assert_pool_clean(dec.engine)
 
     asyncio.run(main())
 
@@ -183,9 +192,7 @@ def test_a_reserved_stream_waits_for_its_kv_on_the_session(tiny_model_dir):
 
 def test_refusals_stopping_and_a_broken_session(tiny_model_dir):
     async def main():
-        dec = await _start("decode", tiny_model_dir)
-        channels = WorkerChannels()
-        try:
+        async with _decode_worker(tiny_model_dir) as (dec, channels):
             # a worker leaving the decode tier refuses new colocated work on a session too
             dec.grpc.services.refuse = (lambda m: "leaving the tier"
                                         if m.endswith("/Generate") else None)
@@ -223,10 +230,6 @@ def test_refusals_stopping_and_a_broken_session(tiny_model_dir):
             err = await _status(broken)
             assert err.code() == grpc.StatusCode.UNAVAILABLE
             assert await _all_blocks_free(dec)
-        finally:
-            await channels.close_all()
-            await dec.stop(0)
-        assert_pool_clean(dec.engine)
 
     asyncio.run(main())
 
