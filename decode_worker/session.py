@@ -70,6 +70,9 @@ class StreamSession:
         stops opening streams (or the worker stops) and the open ones have ended."""
         reader = asyncio.get_running_loop().create_task(self._read(ups))
         try:
+            # at once, empty: tells the gateway this worker has sessions before it sends any
+            # stream (gateway/decode_session.py)
+            yield decode_pb2.SessionDown()
             while True:
                 if not self._ready:
                     if not self._tasks and (self._ending or not self._reading):

@@ -10,9 +10,10 @@ its drop handling (`inflight.Slot.track`) and its retry policy apply unchanged.
 One worker step's tokens for every request reach this gateway in one message; the
 reader hands each stream its chunk. When the call breaks (the worker died, the connection
 dropped) every stream open on it fails UNAVAILABLE, as their own calls would have, and
-the next stream opens a new call. A worker that has no Session method (an older one)
-answers UNIMPLEMENTED before it saw any stream: those streams are sent again as their own
-calls, and that worker gets per-request calls from then on.
+the next stream opens a new call. Streams opened before the worker's first message (an
+empty one it sends at once) wait for it: a worker that has no Session method (an older one)
+answers UNIMPLEMENTED instead, having seen none of them, and those streams are sent again as
+their own calls; that worker gets per-request calls from then on.
 """
 
 from __future__ import annotations
@@ -124,6 +125,11 @@ class DecodeSession:
         self._stub = stub
         self._on_closed = on_closed
         self._ups: asyncio.Queue[decode_pb2.SessionUp | None] = asyncio.Queue()
+        # opens held until the worker's first (empty) message says it has sessions: a
+        # server without the method then ends the call before this side wrote anything,
+        # which is what makes its UNIMPLEMENTED reliable (a write racing that end can turn
+        # the status into an internal error)
+        self._held: list[decode_pb2.SessionUp] | None = []
         self._streams: dict[int, TokenStream] = {}
         self._next_id = 1
         self.closed = False
@@ -141,11 +147,18 @@ class DecodeSession:
             up.decode.CopyFrom(request)
         else:
             up.generate.CopyFrom(request)
-        self._ups.put_nowait(up)
+        if self._held is not None:
+            self._held.append(up)
+        else:
+            self._ups.put_nowait(up)
         return stream
 
     def cancel(self, stream_id: int) -> None:
-        if self._streams.pop(stream_id, None) is not None and not self.closed:
+        if self._streams.pop(stream_id, None) is None or self.closed:
+            return
+        if self._held is not None:  # never sent: nothing to tell the worker
+            self._held = [up for up in self._held if up.stream_id != stream_id]
+        else:
             self._ups.put_nowait(decode_pb2.SessionUp(stream_id=stream_id, cancel=True))
 
     def close(self) -> None:
@@ -161,6 +174,10 @@ class DecodeSession:
         details = "ended the session"
         try:
             async for down in self._call:
+                if self._held is not None:  # the worker's greeting: send what waited
+                    for up in self._held:
+                        self._ups.put_nowait(up)
+                    self._held = None
                 for e in down.entries:
                     stream = self._streams.get(e.stream_id)
                     if stream is None:
@@ -182,8 +199,8 @@ class DecodeSession:
             self.closed = True
             self._ups.put_nowait(None)
             streams, self._streams = list(self._streams.values()), {}
-            if code == grpc.StatusCode.UNIMPLEMENTED:
-                for s in streams:  # none reached the worker
+            if code == grpc.StatusCode.UNIMPLEMENTED and self._held is not None:
+                for s in streams:  # none was sent
                     s.reopen(self._stub)
             else:
                 for s in streams:

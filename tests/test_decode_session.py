@@ -234,18 +234,25 @@ def test_refusals_stopping_and_a_broken_session(tiny_model_dir):
     asyncio.run(main())
 
 
-class _CallsOnly(decode_pb2_grpc.DecodeWorkerServicer):
-    """A worker from before sessions: Generate only (Session answers UNIMPLEMENTED)."""
+async def _generate_two(request, context):
+    yield decode_pb2.TokenChunk(token_ids=[5])
+    yield decode_pb2.TokenChunk(token_ids=[6], finish_reason=common_pb2.FINISH_REASON_STOP)
 
-    async def Generate(self, request, context):
-        yield decode_pb2.TokenChunk(token_ids=[5])
-        yield decode_pb2.TokenChunk(token_ids=[6], finish_reason=common_pb2.FINISH_REASON_STOP)
+
+def _calls_only_worker() -> grpc.GenericRpcHandler:
+    """A worker from before sessions: its DecodeWorker service has Generate and no Session
+    method, so the server itself answers a Session call UNIMPLEMENTED."""
+    return grpc.method_handlers_generic_handler("pdserve.v1.DecodeWorker", {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _generate_two,
+            request_deserializer=decode_pb2.ColocatedGenerateRequest.FromString,
+            response_serializer=decode_pb2.TokenChunk.SerializeToString)})
 
 
 def test_a_worker_without_sessions_gets_a_call_per_request():
     async def main():
         server = grpc.aio.server()
-        decode_pb2_grpc.add_DecodeWorkerServicer_to_server(_CallsOnly(), server)
+        server.add_generic_rpc_handlers((_calls_only_worker(),))
         address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
         channels = WorkerChannels()
