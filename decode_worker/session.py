@@ -9,6 +9,8 @@ stream in one event-loop callback, so the streams' tasks all run before the writ
 a decode step's tokens for every request of that gateway leave in one message, where the
 per-request calls cost one message each through this worker, the wire and the gateway.
 
+The call opens with an empty message, so the gateway knows this worker has sessions before
+it sends any stream (one without the method answers UNIMPLEMENTED, having seen none).
 A stream ends with an entry marked `end` carrying the status its call would have ended
 with (OK, or the refusal: NOT_FOUND, INVALID_ARGUMENT, INTERNAL, UNAVAILABLE, or
 DEADLINE_EXCEEDED when its own timeout passed). A stream the gateway cancels ends without
