@@ -4,30 +4,54 @@ the model forward, the decode stack (all layers in one C call) and the LM head, 
 
     OMP_WAIT_POLICY=PASSIVE python docs/bench/cpu-s15/step_parts.py bfloat16|float32
 """
-import os, sys, time, statistics, torch
+import statistics
+import sys
+import time
+
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol import SamplingParams
-dt = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
-eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype=dt, num_threads=2, show_progress=False))
-acc = {"stack": [], "head": []}
-orig = CpuDecodeStack.run
-def run(self, *a, **k):
-    t = time.perf_counter(); r = orig(self, *a, **k); acc["stack"].append(time.perf_counter() - t); return r
-CpuDecodeStack.run = run
-m = eng.model
-lin = m.linear
+
+dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
+eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype=dtype, num_threads=2,
+                             show_progress=False))
+seconds: dict[str, list[float]] = {"stack": [], "head": []}
+stack_run = CpuDecodeStack.run
+model = eng.model
+linear = model.linear
+
+
+def timed_stack(self, *args, **kwargs):
+    t = time.perf_counter()
+    out = stack_run(self, *args, **kwargs)
+    seconds["stack"].append(time.perf_counter() - t)
+    return out
+
+
 def timed_linear(x, w):
-    t = time.perf_counter(); r = lin(x, w)
-    if w is m.lm_head: acc["head"].append(time.perf_counter() - t)
-    return r
-m.linear = timed_linear
-eng.add_request("r", [100 + j for j in range(128)], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+    t = time.perf_counter()
+    out = linear(x, w)
+    if w is model.lm_head:
+        seconds["head"].append(time.perf_counter() - t)
+    return out
+
+
+CpuDecodeStack.run = timed_stack
+model.linear = timed_linear
+eng.add_request("r", [100 + j for j in range(128)],
+                SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
 eng.trace = []
 while eng.has_unfinished():
     eng.step()
-tr = [t for t in eng.trace if len(t.scheduled) == 1 and t.scheduled[0][1] == 1][20:]
-n = len(tr)
-med = lambda xs: 1e3 * statistics.median(xs)
-print(f"{dt}: steps {n}: total {med([t.total_seconds for t in tr]):.2f} ms, forward {med([t.forward_seconds for t in tr]):.2f}, stack {med(acc['stack'][-n:]):.2f}, lm head {med(acc['head'][-n:]):.2f}")
+steps = [t for t in eng.trace if len(t.scheduled) == 1 and t.scheduled[0][1] == 1][20:]
+n = len(steps)
+
+
+def ms(xs: list[float]) -> str:
+    return f"{1e3 * statistics.median(xs):.2f}"
+
+
+print(f"{dtype}: {n} steps: whole {ms([t.total_seconds for t in steps])} ms, forward "
+      f"{ms([t.forward_seconds for t in steps])}, decode stack {ms(seconds['stack'][-n:])}, "
+      f"LM head {ms(seconds['head'][-n:])}")
