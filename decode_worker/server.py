@@ -28,7 +28,8 @@ SERVICE_NAMES = (decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_nam
                  kvtransfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
 # the calls that start new decode work (a reservation, a colocated request): a worker leaving
 # the tier refuses them; Decode on a reservation already made, Cancel and KV pushes go on
-NEW_WORK_METHODS = frozenset({f"/{SERVICE_NAMES[0]}/Reserve", f"/{SERVICE_NAMES[0]}/Generate"})
+GENERATE_METHOD = f"/{SERVICE_NAMES[0]}/Generate"
+NEW_WORK_METHODS = frozenset({f"/{SERVICE_NAMES[0]}/Reserve", GENERATE_METHOD})
 
 
 class DecodeTier:
@@ -50,7 +51,7 @@ class DecodeTier:
         self.service = DecodeService(worker.aengine, self.table, worker.metrics, worker.stats,
                                      shm, keepalive_s=worker.config.stream_keepalive_s,
                                      stream_interval=worker.config.stream_interval,
-                                     refusal=lambda method: server.refuse(method))
+                                     colocated_refusal=lambda: server.refuse(GENERATE_METHOD))
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self.service, server)
         self.kv_receiver = KVTransferService(self.table, shm)
         self.kv_receiver.add_to_server(server)

@@ -48,9 +48,10 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
                  stats: Callable[[], Awaitable[common_pb2.StatsResponse]],
                  shm: ShmSegmentPool | None = None,
                  keepalive_s: float = STREAM_KEEPALIVE_S, stream_interval: int = 1,
-                 refusal: Callable[[str], str | None] = lambda method: None) -> None:
-        """refusal(method): why the worker turns that method's new work away now (None:
-        it takes it); the server's own check, which a Session's streams go through too."""
+                 colocated_refusal: Callable[[], str | None] = lambda: None) -> None:
+        """colocated_refusal(): why the worker turns new colocated work away now (None: it
+        takes it); the server's own check on Generate, which a Session's Generate streams
+        go through too."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval: must be >= 1, not {stream_interval}")
         self.aengine = aengine
@@ -60,7 +61,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         self.table = table
         self.metrics = metrics
         self._stats = stats
-        self._refusal = refusal
+        self._colocated_refusal = colocated_refusal
         self._sessions: set[StreamSession] = set()
 
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
@@ -97,7 +98,7 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
     async def Session(self, request_iterator: AsyncIterator[decode_pb2.SessionUp],
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[decode_pb2.SessionDown]:
-        session = StreamSession(self, self._refusal)
+        session = StreamSession(self, self._colocated_refusal)
         self._sessions.add(session)
         try:
             async for message in session.run(request_iterator):

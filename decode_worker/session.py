@@ -32,10 +32,6 @@ from pdserve.protos.pdserve.v1 import decode_pb2
 if TYPE_CHECKING:
     from pdserve.decode_worker.service import DecodeService
 
-GENERATE_METHOD = "/" + decode_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name \
-    + "/Generate"
-
-
 class StreamRefused(Exception):
     """A stream's end with a status other than OK: what its call would abort with."""
 
@@ -45,18 +41,17 @@ class StreamRefused(Exception):
         self.details = details
 
 
-def _end(stream_id: int, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = ""
-         ) -> decode_pb2.SessionEntry:
-    return decode_pb2.SessionEntry(stream_id=stream_id, end=True, status_code=code.value[0],
-                                   status_details=details)
+def _set_end(entry: decode_pb2.SessionEntry, code: grpc.StatusCode, details: str) -> None:
+    entry.end, entry.status_code, entry.status_details = True, code.value[0], details
 
 
 class StreamSession:
-    def __init__(self, service: DecodeService, refusal: Callable[[str], str | None]) -> None:
+    def __init__(self, service: DecodeService,
+                 colocated_refusal: Callable[[], str | None]) -> None:
         self._service = service
-        self._refusal = refusal
+        self._colocated_refusal = colocated_refusal
         self._tasks: dict[int, asyncio.Task] = {}
-        self._ready: list[decode_pb2.SessionEntry] = []
+        self._next = decode_pb2.SessionDown()  # the entries the writer sends next
         self._wake = asyncio.Event()
         self._reading = True  # the gateway may open more streams
         self._ending = False  # the worker is stopping: no new streams
@@ -76,14 +71,14 @@ class StreamSession:
             # stream (gateway/decode_session.py)
             yield decode_pb2.SessionDown()
             while True:
-                if not self._ready:
+                if not self._next.entries:
                     if not self._tasks and (self._ending or not self._reading):
                         return
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                entries, self._ready = self._ready, []
-                yield decode_pb2.SessionDown(entries=entries)
+                down, self._next = self._next, decode_pb2.SessionDown()
+                yield down
         finally:
             reader.cancel()
             tasks = list(self._tasks.values())
@@ -91,9 +86,13 @@ class StreamSession:
                 t.cancel()  # each aborts its request or releases its reservation
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
-    def _put(self, entry: decode_pb2.SessionEntry) -> None:
-        self._ready.append(entry)
+    def _entry(self, stream_id: int) -> decode_pb2.SessionEntry:
+        """A new entry in the next message, for the caller to fill."""
         self._wake.set()
+        return self._next.entries.add(stream_id=stream_id)
+
+    def _end(self, stream_id: int, code: grpc.StatusCode, details: str = "") -> None:
+        _set_end(self._entry(stream_id), code, details)
 
     async def _read(self, ups: AsyncIterator[decode_pb2.SessionUp]) -> None:
         try:
@@ -112,23 +111,23 @@ class StreamSession:
                 task.cancel()
             return
         if sid in self._tasks:
-            self._put(_end(sid, grpc.StatusCode.INVALID_ARGUMENT,
-                           f"stream_id: {sid} is already open on this session"))
+            self._end(sid, grpc.StatusCode.INVALID_ARGUMENT,
+                           f"stream_id: {sid} is already open on this session")
             return
         if self._ending:
-            self._put(_end(sid, grpc.StatusCode.UNAVAILABLE, "the worker is stopping"))
+            self._end(sid, grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
             return
         if action == "generate":
-            reason = self._refusal(GENERATE_METHOD)
+            reason = self._colocated_refusal()
             if reason is not None:
-                self._put(_end(sid, grpc.StatusCode.UNAVAILABLE, reason))
+                self._end(sid, grpc.StatusCode.UNAVAILABLE, reason)
                 return
             chunks = self._service.generate_chunks(up.generate)
         elif action == "decode":
             chunks = self._service.decode_chunks(up.decode)
         else:
-            self._put(_end(sid, grpc.StatusCode.INVALID_ARGUMENT,
-                           "action: open a stream with decode or generate, or cancel one"))
+            self._end(sid, grpc.StatusCode.INVALID_ARGUMENT,
+                           "action: open a stream with decode or generate, or cancel one")
             return
         task = asyncio.get_running_loop().create_task(
             self._serve(sid, chunks, up.timeout_s or None))
@@ -141,19 +140,18 @@ class StreamSession:
 
     async def _serve(self, sid: int, chunks: AsyncIterator[decode_pb2.TokenChunk],
                      timeout_s: float | None) -> None:
-        end = _end(sid)
+        code, details = grpc.StatusCode.OK, ""
         try:
             async with contextlib.aclosing(chunks), asyncio.timeout(timeout_s):
                 async for chunk in chunks:
-                    self._put(decode_pb2.SessionEntry(stream_id=sid, chunk=chunk))
+                    self._entry(sid).chunk.CopyFrom(chunk)
         except StreamRefused as e:
-            end = _end(sid, e.code, e.details)
+            code, details = e.code, e.details
         except TimeoutError:
-            end = _end(sid, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-        last = self._ready[-1] if self._ready else None
-        if last is not None and last.stream_id == sid and not last.end:
+            code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        entries = self._next.entries
+        if entries and entries[-1].stream_id == sid and not entries[-1].end:
             # the stream's last chunk has not left yet: it carries the end
-            last.end, last.status_code, last.status_details = (
-                True, end.status_code, end.status_details)
+            _set_end(entries[-1], code, details)
         else:
-            self._put(end)
+            self._end(sid, code, details)

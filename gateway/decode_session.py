@@ -60,18 +60,14 @@ class TokenStream:
         self._call = None  # its own call, once the worker turned out to have no sessions
 
     async def read(self):
-        if self._call is not None:
-            return await self._call.read()
-        while not self._items:
-            if self._cancelled:
-                raise asyncio.CancelledError
+        while self._call is None and not self._items and not self._cancelled:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-            if self._call is not None:
-                return await self._call.read()
+        if self._call is not None:
+            return await self._call.read()
         if self._cancelled:
             raise asyncio.CancelledError
         item = self._items.popleft()
