@@ -22,6 +22,7 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.heap_tuning import retain_freed_memory
 from pdserve.engine.kv_cache import PagedKVCache, dtype_from_name
 from pdserve.engine.kv_connector import KVConnector, KVSaver, PagedKVConnector
 from pdserve.engine.kv_spec import KVCacheSpec
@@ -92,6 +93,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.set_num_threads(config.threads())
+        if torch.device(config.device).type == "cpu":
+            retain_freed_memory()  # pdserve.engine.heap_tuning: no page faults per layer
         self.source: ModelSource = resolve_model(config.model)
         hf_config, state = load_hf_weights(self.source, config.show_progress)
         self.hf_config = hf_config
