@@ -359,24 +359,40 @@ INLINE void accum_tile_split(float *acc, const float *corr, const void *const *v
 #endif /* __AVX512F__ */
 
 /* Turns a tile's scores into probabilities against the running max; corr[g] is what the
- * accumulator so far must be scaled by. */
+ * accumulator so far must be scaled by. The corrections of up to 16 heads come from one
+ * 16-lane exp2 (libmvec; the lanes past G compute exp2(0), unused): a scalar exp2f per head
+ * and tile, called from AVX-512 code, took 3.5 % of a 64-row bfloat16 decode step (perf),
+ * 7x the time of the tiles' vector calls. */
 static inline void softmax_tile(float *s, int nt, int G, int first, float *m, float *l,
                                 float *corr)
 {
-    for (int g = 0; g < G; g++) {
-        float *sg = s + g * TILE;
-        float mx = first ? sg[0] : m[g];
-        for (int t = 0; t < nt; t++)
-            mx = sg[t] > mx ? sg[t] : mx;
-        /* no -inf sentinel for an empty history: -ffast-math assumes finite values */
-        corr[g] = first ? 0.f : exp2_weight(m[g] - mx);
-        float sum = 0.f;
-        for (int t = 0; t < nt; t++) {
-            sg[t] = exp2_weight(sg[t] - mx);
-            sum += sg[t];
+    for (int g0 = 0; g0 < G; g0 += 16) {
+        const int n = G - g0 < 16 ? G - g0 : 16;
+        float mx[16], diff[16] = {0}, c[16];
+        for (int j = 0; j < n; j++) {
+            const float *sg = s + (g0 + j) * TILE;
+            float x = first ? sg[0] : m[g0 + j];
+            for (int t = 0; t < nt; t++)
+                x = sg[t] > x ? sg[t] : x;
+            mx[j] = x;
+            /* no -inf sentinel for an empty history: -ffast-math assumes finite values */
+            diff[j] = first ? 0.f : m[g0 + j] - x;
         }
-        l[g] = l[g] * corr[g] + sum;
-        m[g] = mx;
+#pragma omp simd
+        for (int i = 0; i < 16; i++)
+            c[i] = exp2_weight(diff[i]);
+        for (int j = 0; j < n; j++) {
+            const int g = g0 + j;
+            float *sg = s + g * TILE;
+            corr[g] = first ? 0.f : c[j];
+            float sum = 0.f;
+            for (int t = 0; t < nt; t++) {
+                sg[t] = exp2_weight(sg[t] - mx[j]);
+                sum += sg[t];
+            }
+            l[g] = l[g] * corr[g] + sum;
+            m[g] = mx[j];
+        }
     }
 }
 
