@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+import torch
 from aiohttp import web
 
 from pdserve import fingerprint, rpc
@@ -33,6 +34,7 @@ from pdserve.convert import kv_spec_to_proto
 from pdserve.deadlines import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S, STREAM_KEEPALIVE_S
 from pdserve.engine.async_engine import AsyncEngine, RequestError
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.heap_tuning import retain_freed_memory
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from pdserve.grpc_health import GrpcHealth
@@ -366,6 +368,10 @@ class WorkerBase:
     switchable = False  # serves WorkerControl.SwitchRole (pdserve.role_worker)
 
     def __init__(self, config: WorkerConfig, engine: LLMEngine | None = None) -> None:
+        if torch.device(config.engine.device).type == "cpu":
+            # before gRPC and the model loader start threads, each of which would take an
+            # arena of its own for the engine thread to share later (heap_tuning.py)
+            retain_freed_memory()
         self.config = config
         self.worker_id = config.worker_id or new_worker_id(self.role)
         self._engine = engine  # tests may hand in an already-loaded engine
