@@ -94,7 +94,7 @@ def test_served_decode_worker_prefills_without_page_faults():
     """A real colocated cluster on SmolLM2-135M float32: the decode worker applies the
     settings before any thread of its own exists, so its engine thread shares the one arena
     they govern. Applied only when the engine loaded (on the loader's thread, after gRPC's
-    threads had arenas), its engine threads took ~25 page faults per prompt token here."""
+    threads had arenas), its engine threads took ~48 page faults per prompt token here."""
     tok = load_tokenizer(resolve_model("smollm2-135m"))
     cluster = LocalCluster(ClusterConfig(model="smollm2-135m", num_prefill=0, num_decode=1,
                                          http_port=0, grpc_port=0,
@@ -113,4 +113,8 @@ def test_served_decode_worker_prefills_without_page_faults():
     finally:
         cluster.stop()
     assert lost == 0
-    assert 0 <= faults < 2 * 4 * 400, faults
+    # Without the settings the engine threads took ~48 faults per prompt token here (77,438
+    # over these 1,600). Some faults stay whatever the heap does: the burst's KV blocks may
+    # be ones no request has touched yet (the prefix cache keeps the warm-up's), up to ~11
+    # pages per token of this model's float32 cache; 0.07-3 per token were measured.
+    assert 0 <= faults < 16 * 4 * 400, faults
