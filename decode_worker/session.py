@@ -32,6 +32,7 @@ from pdserve.protos.pdserve.v1 import decode_pb2
 if TYPE_CHECKING:
     from pdserve.decode_worker.service import DecodeService
 
+
 class StreamRefused(Exception):
     """A stream's end with a status other than OK: what its call would abort with."""
 
@@ -112,7 +113,7 @@ class StreamSession:
             return
         if sid in self._tasks:
             self._end(sid, grpc.StatusCode.INVALID_ARGUMENT,
-                           f"stream_id: {sid} is already open on this session")
+                      f"stream_id: {sid} is already open on this session")
             return
         if self._ending:
             self._end(sid, grpc.StatusCode.UNAVAILABLE, "the worker is stopping")
@@ -127,7 +128,7 @@ class StreamSession:
             chunks = self._service.decode_chunks(up.decode)
         else:
             self._end(sid, grpc.StatusCode.INVALID_ARGUMENT,
-                           "action: open a stream with decode or generate, or cancel one")
+                      "action: open a stream with decode or generate, or cancel one")
             return
         task = asyncio.get_running_loop().create_task(
             self._serve(sid, chunks, up.timeout_s or None))
