@@ -1,7 +1,8 @@
 """The real gateway process on the default model, a GGUF: it loads the tokenizer and
 config from their export (made once by a child process, pdserve.engine.model_files), never
-loads torch, and tokenizes exactly as the workers' tokenizer (read from the GGUF through
-torch) does: plain text and the chat template's output."""
+loads torch, and tokenizes exactly as the GGUF's own tokenizer (read from the GGUF through
+torch) does: plain text and the chat template's output. The workers load the same export,
+through the tokenizer class it names."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ import urllib.request
 import pytest
 
 from pdserve.engine import model_files
-from pdserve.engine.model_files import chat_text, gguf_export_dir, load_tokenizer, resolve_model
+from pdserve.engine.model_files import (
+    chat_text,
+    gguf_export_dir,
+    load_tokenizer,
+    read_gguf_tokenizer,
+    resolve_model,
+)
 
 TEXTS = ["Hello world", "  leading spaces and tabs\t\tend ", "café 😀 naïve — ünïcödé",
          "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x ** 2\n", "1234567890"]
@@ -64,7 +71,7 @@ def test_gateway_on_a_gguf_stays_torch_free_and_tokenizes_as_the_workers(tmp_pat
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PDSERVE_KERNEL_CACHE": str(tmp_path / "cache")}
     source = resolve_model("smollm2-135m")
-    worker_tok = load_tokenizer(source)  # this process has torch: the workers' way
+    gguf_tok = read_gguf_tokenizer(source)  # the reference: read from the GGUF itself
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.gateway", "--model", "smollm2-135m",
          "--http-port", "0", "--grpc-port", "0", "--registry-port", "0"],
@@ -85,10 +92,10 @@ def test_gateway_on_a_gguf_stays_torch_free_and_tokenizes_as_the_workers(tmp_pat
 
         for text in TEXTS:
             assert _prompt_tokens(url, "/v1/completions", {"prompt": text}) == len(
-                worker_tok.encode(text)), text
-        chat = chat_text(worker_tok, MESSAGES)
+                gguf_tok.encode(text)), text
+        chat = chat_text(gguf_tok, MESSAGES)
         assert _prompt_tokens(url, "/v1/chat/completions", {"messages": MESSAGES}) == len(
-            worker_tok.encode(chat))
+            gguf_tok.encode(chat))
 
         with open(f"/proc/{proc.pid}/maps") as f:
             maps = f.read()
@@ -103,8 +110,14 @@ def test_gateway_on_a_gguf_stays_torch_free_and_tokenizes_as_the_workers(tmp_pat
     # exact ids, from the same export, loaded the gateway's way (torch hidden)
     got = _hidden_torch_tokenize(env)
     assert got["chat"] == chat
-    assert got["ids"] == [worker_tok.encode(t) for t in TEXTS + [chat]]
-    assert got["decoded"] == worker_tok.decode(worker_tok.encode(TEXTS[2]))
+    assert got["ids"] == [gguf_tok.encode(t) for t in TEXTS + [chat]]
+    assert got["decoded"] == gguf_tok.decode(gguf_tok.encode(TEXTS[2]))
+    # a worker's way (torch loaded): the export again, through the class it names
+    worker_tok = load_tokenizer(source)
+    assert type(worker_tok).__name__ == "TokenizersBackend"
+    assert chat_text(worker_tok, MESSAGES) == chat
+    assert [worker_tok.encode(t) for t in TEXTS + [chat]] == got["ids"]
+    assert worker_tok.decode(got["ids"][2]) == got["decoded"]
     cfg = model_files.load_config(source)
     assert (got["vocab"], got["ctx"]) == (cfg.vocab_size, cfg.max_position_embeddings)
-    assert tuple(got["eos"]) == model_files.eos_token_ids(cfg, worker_tok, source)
+    assert tuple(got["eos"]) == model_files.eos_token_ids(cfg, gguf_tok, source)

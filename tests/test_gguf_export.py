@@ -53,3 +53,28 @@ def test_export_key_follows_the_metadata_not_the_weights(tmp_path, monkeypatch):
     assert base.parent == tmp_path / "cache" / "tokenizers"
     assert gguf_export_dir(paths["weights"]) == base
     assert gguf_export_dir(paths["meta"]) != base
+
+
+@pytest.mark.slow
+def test_a_worker_writes_the_missing_export_and_reads_the_gguf_where_it_cannot(
+        tmp_path, monkeypatch, caplog):
+    """A process with torch (a worker) whose export is missing writes it itself and loads
+    the tokenizer from it; where the cache cannot be written it reads the GGUF, as before."""
+    from pdserve.engine.model_files import load_tokenizer, resolve_model
+
+    source = resolve_model("smollm2-135m")
+    texts = ["Hello world", "café 😀", "<|im_start|>user\nhi<|im_end|>"]
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "file" / "cache"))
+    with caplog.at_level("WARNING", logger="pdserve.engine"):
+        direct = load_tokenizer(source)
+    assert "could not export the tokenizer and config" in caplog.text
+    assert direct.name_or_path == source.directory  # read from the GGUF
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    written = load_tokenizer(source)
+    exports = list((tmp_path / "cache" / "tokenizers").iterdir())
+    assert [p.name for p in exports] == [gguf_export_dir(
+        f"{source.directory}/{source.gguf_file}").name]
+    assert type(written).__name__ == "TokenizersBackend"
+    assert written.name_or_path == str(exports[0])
+    assert [written.encode(t) for t in texts] == [direct.encode(t) for t in texts]

@@ -8,10 +8,11 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
 from pdserve.engine import weight_cache
 from pdserve.engine.cpu_kernels import build
+from pdserve.engine.llama import LlamaDims
 
 
 @pytest.fixture
@@ -46,7 +47,11 @@ def test_round_trip_keeps_values_ties_and_config(tmp_path, cache_root):
     assert got["lm_head.weight"] is got["model.embed_tokens.weight"]
     # in the process's own memory, each on a 64-byte line (the GEMV streams rows of them)
     assert all(v.data_ptr() % 64 == 0 for v in got.values())
-    assert got_cfg.to_dict() | {"_name_or_path": ""} == cfg.to_dict() | {"_name_or_path": ""}
+    # the entry's config.json is the whole config; the engine reads its Llama fields plainly
+    entry = weight_cache.cache_key_dir(gguf)
+    assert AutoConfig.from_pretrained(str(entry)).to_dict() | {"_name_or_path": ""} == \
+        cfg.to_dict() | {"_name_or_path": ""}
+    assert LlamaDims.from_hf_config(got_cfg) == LlamaDims.from_hf_config(cfg)
     # the tied tensor is stored once
     entry = weight_cache.cache_key_dir(gguf) / weight_cache.WEIGHTS_FILE
     assert entry.stat().st_size < 2 * 32 * 8 * 4 + 8 * 16 * 4 + 8 * 4 + 4096
@@ -91,8 +96,10 @@ def test_real_entry_matches_the_gguf(smollm2_hf):
     assert set(cached[1]) == set(ref)
     for k, v in ref.items():
         assert torch.equal(cached[1][k], v), k
-    assert cached[0].to_dict() | {"_name_or_path": ""} == \
+    entry = weight_cache.cache_key_dir(os.path.join(src.directory, src.gguf_file))
+    assert AutoConfig.from_pretrained(str(entry)).to_dict() | {"_name_or_path": ""} == \
         smollm2_hf.config.to_dict() | {"_name_or_path": ""}
+    assert LlamaDims.from_hf_config(cached[0]) == LlamaDims.from_hf_config(smollm2_hf.config)
 
 
 def test_damaged_entry_is_removed_and_written_again(tmp_path, cache_root, caplog):

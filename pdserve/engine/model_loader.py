@@ -73,10 +73,11 @@ def _read_safetensors_dir(directory: str) -> tuple[Any, dict] | None:
     if not files:
         return None
     from safetensors import safe_open
-    from transformers import AutoConfig
+
+    from pdserve.engine.llama_config import model_config
 
     state: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             state.update(read_float32(f))
-    return AutoConfig.from_pretrained(directory), state
+    return model_config(directory), state

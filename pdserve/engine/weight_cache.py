@@ -86,14 +86,15 @@ def read_float32(f: Any) -> dict[str, torch.Tensor]:
 
 def _read_entry(entry: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     from safetensors import safe_open
-    from transformers import AutoConfig
+
+    from pdserve.engine.llama_config import model_config
 
     with safe_open(str(entry / WEIGHTS_FILE), framework="pt") as f:
         aliases = json.loads((f.metadata() or {}).get(_ALIASES, "{}"))
         state = read_float32(f)
     for alias, key in aliases.items():
         state[alias] = state[key]
-    return AutoConfig.from_pretrained(str(entry)), state
+    return model_config(entry), state
 
 
 def store(entry: Path, config: Any, state: dict[str, torch.Tensor]) -> bool:
