@@ -126,11 +126,10 @@ def test_bad_rows_are_refused_before_any_write(tiny_model_dir):
         args = dict(step, **{field: bad})
         with pytest.raises(ValueError, match=match):
             stack.run(x.clone(), **args)
-    # slots and tables are checked before the layers, positions at the first RoPE, which
-    # comes before the first store: nothing was written
+    # slots, tables and positions are checked before the layers: nothing was written
     assert torch.equal(kv.data, before)
-    out = stack.run(x.clone(), **step)
-    assert out.shape == x.shape and torch.isfinite(out).all()
+    out = stack.run(x.clone(), **step)  # the logits
+    assert out.shape == (x.shape[0], d.vocab_size) and torch.isfinite(out).all()
     assert not torch.equal(kv.data, before)  # the good step stored its K/V
 
 
@@ -207,3 +206,40 @@ def test_the_result_does_not_depend_on_the_team(dtype, rows):
     assert torch.isfinite(out.float()).all() and not torch.equal(stored, cache)
     for n, o, r, s in results[1:]:
         assert torch.equal(o, out) and torch.equal(r, residual) and torch.equal(s, stored), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_thread_that_loses_its_core_is_not_waited_for(dtype):
+    """The GEMV form: team thread 1 sleeps 3 ms after claiming each projection run and
+    attention item, as a thread preempted while holding it would. Thread 0 computes what
+    thread 1 holds itself instead of waiting, and the result is one thread's, bit for bit:
+    logits, residual and cache."""
+    from pdserve.engine.cpu_kernels.library import load
+
+    lib = load()
+    model, kv = _wide_model(dtype, GEMV_MAX_ROWS)
+    stack = CpuDecodeStack(model, kv)
+    pos = torch.tensor([3, 40, 77, 101])
+    step = dict(positions=pos, slots=torch.arange(4) * 128 + pos,
+                seq_lens=(pos + 1).to(torch.int32),
+                block_tables=(torch.arange(4, dtype=torch.int32)[:, None] * 8
+                              + torch.arange(8, dtype=torch.int32)))
+    x = model.embed[torch.tensor([5, 9, 13, 200])].clone()
+    cache = kv.clone()
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n, stall in ((1, -1), (2, 1)):
+            torch.set_num_threads(n)
+            lib.ds_test_stall(stall, 3000)
+            kv.copy_(cache)
+            xn = x.clone()
+            before = lib.ds_redone()
+            results.append((stack.run(xn, **step), xn, kv.clone(), lib.ds_redone() - before))
+    finally:
+        lib.ds_test_stall(-1, 0)
+        torch.set_num_threads(threads)
+    (logits, residual, stored, none), (o, r, s, redone) = results
+    assert none == 0 and redone > 0
+    assert torch.equal(o, logits) and torch.equal(r, residual) and torch.equal(s, stored)
+    assert not torch.equal(stored, cache) and torch.isfinite(logits.float()).all()

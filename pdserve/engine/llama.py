@@ -185,9 +185,9 @@ class LlamaModel:
         t = input_ids.shape[0]
         stack = self._stack_for(t, kv_cache, meta, backend, layer_hook)
         if stack is not None:
-            h = stack.run(self.embed[input_ids], positions, meta.slot_mapping,
-                          meta.seq_lens, meta.block_tables)
-            return self.linear(h[logits_indices], self.lm_head).float()
+            logits = stack.run(self.embed[input_ids], positions, meta.slot_mapping,
+                               meta.seq_lens, meta.block_tables)
+            return logits[logits_indices].float()
         q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         scale = d.head_dim ** -0.5
         ops, eps = self.ops, d.rms_norm_eps

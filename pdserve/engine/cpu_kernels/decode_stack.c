@@ -30,6 +30,7 @@
 
 #include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -99,6 +100,11 @@ int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void 
                    const int32_t *tables, int64_t bt_stride, const int32_t *lens, void *out,
                    int B, int Hq, int Hkv, int D, int block_size, float scale, int q_dt,
                    int kv_dt, int nt, int *next);
+int pd_decode_team_redo(const void *q, int64_t q_stride_b, const void *k, const void *v,
+                        const int32_t *tables, int64_t bt_stride, const int32_t *lens,
+                        void *out, int B, int Hq, int Hkv, int D, int block_size, float scale,
+                        int q_dt, int kv_dt, int nt, int *next, uint8_t *flags,
+                        int (*wait)(const uint8_t *), void (*claimed)(void));
 void al_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
                int64_t K, uint16_t *y, int64_t y_stride, int64_t nb0, int64_t nb1,
                int64_t next_nb);
@@ -210,6 +216,15 @@ struct ds_model {
     int64_t cache_layer_stride; /* elements from one layer's K to the next's; V is half way */
     float eps, scale;
     int dt, kv_dt;
+};
+
+/* The LM head, for the GEMV form: logits [M, V] (dtype dt) = the final norm @ w^T, w of
+ * dtype dt or int8 with its scales (as a projection's). */
+struct ds_head {
+    const void *w;
+    const float *scales;
+    int64_t V;
+    void *logits;
 };
 
 /* Row `src` (n elements, dtype dt) into the cache at `dst` (dtype kv_dt). */
@@ -341,22 +356,268 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
     return rc;
 }
 
+/* The GEMV form (up to GEMV_MAX_ROWS rows): nothing waits for a thread that lost its core.
+ *
+ * On two cores the gateway's and the workers' threads take a core from an engine thread
+ * for ~0.1-1 ms at a time, several times a step. With a barrier after every step of a
+ * layer, the sibling then stops at the next barrier until the preempted thread runs again,
+ * so the step loses the whole preemption. Here no thread ever waits for another:
+ *  - each projection's output columns are cut into runs (GV_RUN_BYTES of weights each) and
+ *    handed out as in gv_share; a run, once written, is flagged done. A thread out of runs
+ *    to take looks for runs taken but not flagged, gives each RUN_WAIT_NS to be flagged, and
+ *    then computes it itself. Columns are computed the same way whoever computes them, and
+ *    a late writer writes the same values, so two writers do no harm;
+ *  - attention's work items (a row's KV heads) go the same way, flagged per item;
+ *  - everything else between the projections (RoPE, the K/V store, the residual adds and
+ *    norms, SiLU * up, widening x for the next projection) is a few rows' worth of work at
+ *    these sizes: every thread does all of it, on its own copies (its residual stream, its
+ *    x for the projections). The K/V rows it stores are the same values whoever stores
+ *    them, and each thread stores them before it reads the cache;
+ *  - so that a preempted thread, when it runs again, cannot overwrite what a later step of
+ *    the layer loop reads, every projection of every layer writes a buffer of its own for
+ *    the whole call, and x (the embeddings) is only read until the parallel region ends.
+ * A thread that finds the last layer done by another leaves at its next step; the region's
+ * end still joins every thread, so a thread preempted in the step's last ~ms delays it.
+ *
+ * With both threads running this is the barrier version's schedule: each streams its own
+ * share of each projection's weights and of attention's KV, and the small in-between steps,
+ * duplicated, take the time the waiting thread spent at the barrier. */
+#define RUN_WAIT_NS 20000 /* a run streams 32 KiB: ~2 us; past 10x that its taker lost its core */
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* For the tests: the team thread that sleeps stall_us after each run or item it claims
+ * (-1: none), as a thread preempted there would; and the runs and items computed again. */
+static int stall_thread = -1, stall_us;
+static int64_t redone;
+
+void ds_test_stall(int thread, int us)
+{
+    stall_thread = thread;
+    stall_us = us;
+}
+
+int64_t ds_redone(void)
+{
+    return __atomic_load_n(&redone, __ATOMIC_RELAXED);
+}
+
+static void claimed(void)
+{
+    if (team_thread() == stall_thread) {
+        const struct timespec ts = {0, stall_us * 1000L};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* 1 once *flag is set (acquire: the run's columns are then visible); 0 after RUN_WAIT_NS,
+ * counted as a redo (the caller computes it again). */
+static int wait_flag(const uint8_t *flag)
+{
+    const int64_t until = now_ns() + RUN_WAIT_NS;
+    for (unsigned spins = 1;; spins++) {
+        if (__atomic_load_n(flag, __ATOMIC_ACQUIRE))
+            return 1;
+        CPU_RELAX();
+        if (!(spins & 63) && now_ns() > until) {
+            __atomic_fetch_add(&redone, 1, __ATOMIC_RELAXED);
+            return 0;
+        }
+    }
+}
+
+/* y = xf @ w^T (gv_rows) in runs of columns; on return every column of y is written and
+ * visible to this thread, whoever wrote it. flags: one per run, zeroed before the step. */
+static void gv_share_redo(const struct team *tm, int64_t step, uint8_t *flags, const float *xf,
+                          const void *w, const float *scales, void *y, int64_t y_stride,
+                          int64_t M, int64_t N, int64_t K, int dt)
+{
+    const int64_t row_bytes = K * (scales ? 1 : dt == DT_F32 ? 4 : 2);
+    const int64_t run = GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
+    const int64_t R = (N + run - 1) / run;
+    for (int64_t r, r1; take(tm, step, R, 1, &r, &r1);) {
+        claimed();
+        gv_rows(xf, w, scales, y, y_stride, M, r * run, min64((r + 1) * run, N), K, dt);
+        __atomic_store_n(&flags[r], 1, __ATOMIC_RELEASE);
+    }
+    for (int64_t r = 0; r < R; r++) /* runs others took: wait a little, then redo */
+        if (!wait_flag(&flags[r])) {
+            gv_rows(xf, w, scales, y, y_stride, M, r * run, min64((r + 1) * run, N), K, dt);
+            __atomic_store_n(&flags[r], 1, __ATOMIC_RELEASE);
+        }
+}
+
+/* The runs of a projection with N outputs over K inputs (gv_share_redo's cut). */
+static int64_t gv_runs(int64_t N, int64_t K, int q8, int dt)
+{
+    const int64_t row_bytes = K * (q8 ? 1 : dt == DT_F32 ? 4 : 2);
+    const int64_t run = GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
+    return (N + run - 1) / run;
+}
+
+static size_t up64(size_t n)
+{
+    return (n + 63) / 64 * 64;
+}
+
+enum { P_QKV, P_O, P_GATE_UP, P_DOWN, P_ATTN, P_COUNT }; /* a layer's flagged steps */
+
+static int gemv_layers(const struct ds_model *m, const void *const *weights,
+                       const float *const *scales, const void *final_norm,
+                       const struct ds_head *head, void *cache, void *x, void *out,
+                       const int64_t *positions, const int64_t *slots, const int32_t *lens,
+                       const int32_t *tables, int64_t bt_stride, const void *cos_t,
+                       const void *sin_t, int64_t M, int num_threads)
+{
+    const int dt = m->dt;
+    const int q8 = scales != NULL;
+    static const float *const no_scales[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    const size_t es = dt == DT_F32 ? 4 : 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
+    const int64_t L = m->L, H = m->H, QD = m->Hq * m->D, KVD = m->Hkv * m->D, I = m->I;
+    const int64_t QKV = QD + 2 * KVD;
+    const int64_t widest = H > QD ? (H > I ? H : I) : (QD > I ? QD : I);
+    for (int64_t b = 0; b < M; b++) /* before any write: RoPE cannot refuse a row below */
+        if (positions[b] < 0 || positions[b] >= m->max_position)
+            return -2;
+    /* shared, per layer: each projection's output; then the final residual */
+    const size_t layer_bytes = up64((size_t)(M * QKV) * es) + 2 * up64((size_t)(M * H) * es)
+                               + up64((size_t)(M * 2 * I) * es) + up64((size_t)(M * QD) * es);
+    /* per thread: residual, norm output, RoPE'd qkv, SiLU * up, x widened (for the head
+     * too, which may be int8 where the layers are not, or the other way round) */
+    const size_t xf_layers = gv_xbuf_bytes(M, widest, q8);
+    const size_t xf_head = head ? gv_xbuf_bytes(M, H, head->scales != NULL) : 0;
+    const size_t xf_bytes = xf_layers > xf_head ? xf_layers : xf_head;
+    const size_t own_bytes = 2 * up64((size_t)(M * H) * es) + up64((size_t)(M * QKV) * es)
+                             + up64((size_t)(M * I) * es) + up64(xf_bytes);
+    const int64_t runs[P_COUNT] = {gv_runs(QKV, H, q8, dt), gv_runs(H, QD, q8, dt),
+                                   gv_runs(2 * I, H, q8, dt), gv_runs(H, I, q8, dt),
+                                   M * m->Hkv /* attention's items, at most */};
+    int64_t max_runs = 0;
+    for (int p = 0; p < P_COUNT; p++)
+        max_runs = runs[p] > max_runs ? runs[p] : max_runs;
+    const int head_q8 = head && head->scales;
+    const int64_t head_runs = head ? gv_runs(head->V, H, head_q8, dt) : 0;
+    const int want = num_threads > 1 ? num_threads : 1;
+    const size_t flag_bytes = up64((size_t)(L * P_COUNT * max_runs + head_runs));
+    char *shared = aligned_alloc(64, (size_t)L * layer_bytes + up64((size_t)(M * H) * es)
+                                     + flag_bytes + (size_t)want * own_bytes);
+    struct share_counter *work = new_counters(L, want);
+    if (!shared || !work) {
+        free(shared);
+        free(work);
+        return -1;
+    }
+    char *const x_final = shared + (size_t)L * layer_bytes;
+    uint8_t *const flags = (uint8_t *)x_final + up64((size_t)(M * H) * es);
+    char *const own_base = (char *)flags + flag_bytes;
+    memset(flags, 0, flag_bytes);
+    int rc = 0, finished = 0;
+#pragma omp parallel num_threads(want)
+    {
+        struct team tm = {work, team_thread(), team_size(), want};
+        char *own = own_base + (size_t)tm.t * own_bytes;
+        char *res = own, *h = res + up64((size_t)(M * H) * es);
+        char *qk = h + up64((size_t)(M * H) * es), *act = qk + up64((size_t)(M * QKV) * es);
+        float *xf = (float *)(act + up64((size_t)(M * I) * es));
+        uint8_t *head_flags = flags + (size_t)(L * P_COUNT * max_runs);
+        memcpy(res, x, (size_t)(M * H) * es);
+        lo_add_rms_norm(res, H, NULL, weights[0], h, M, (int)H, m->eps, dt, 1);
+        gv_widen(h, H, xf, M, H, dt, q8);
+        for (int64_t l = 0; l < L; l++) {
+            if (__atomic_load_n(&finished, __ATOMIC_ACQUIRE)
+                || __atomic_load_n(&rc, __ATOMIC_RELAXED))
+                break;
+            const void *const *w = weights + 6 * l;
+            const float *const *sc = scales ? scales + 6 * l : no_scales;
+            const int64_t c = l * W_STEPS; /* this layer's counters */
+            uint8_t *fl = flags + (size_t)(l * P_COUNT * max_runs);
+            char *qkv = shared + (size_t)l * layer_bytes;
+            char *y_o = qkv + up64((size_t)(M * QKV) * es);
+            char *gu = y_o + up64((size_t)(M * H) * es);
+            char *y_d = gu + up64((size_t)(M * 2 * I) * es);
+            char *attn = y_d + up64((size_t)(M * H) * es);
+            char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
+            char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
+            gv_share_redo(&tm, c + W_QKV, fl + P_QKV * max_runs, xf, w[1], sc[1], qkv, QKV, M,
+                          QKV, H, dt);
+            memcpy(qk, qkv, (size_t)(M * QKV) * es);
+            lo_rope(qk, QKV, positions, cos_t, sin_t, m->max_position, M,
+                    (int)(m->Hq + m->Hkv), (int)m->D, dt, 1);
+            for (int64_t b = 0; b < M; b++) {
+                const char *row = qk + (size_t)(b * QKV) * es;
+                store_row(k_cache + (size_t)(slots[b] * KVD) * kv_es, row + QD * es, KVD, dt,
+                          m->kv_dt);
+                store_row(v_cache + (size_t)(slots[b] * KVD) * kv_es, row + (QD + KVD) * es,
+                          KVD, dt, m->kv_dt);
+            }
+            if (pd_decode_team_redo(qk, QKV, k_cache, v_cache, tables, bt_stride, lens, attn,
+                                    (int)M, (int)m->Hq, (int)m->Hkv, (int)m->D,
+                                    (int)m->block_size, m->scale, dt, m->kv_dt, tm.nt,
+                                    &work[(c + W_ATTN) * want].runs, fl + P_ATTN * max_runs,
+                                    wait_flag, claimed)) {
+                __atomic_store_n(&rc, -3, __ATOMIC_RELAXED);
+                break;
+            }
+            gv_widen(attn, QD, xf, M, QD, dt, q8);
+            gv_share_redo(&tm, c + W_O, fl + P_O * max_runs, xf, w[2], sc[2], y_o, H, M, H, QD,
+                          dt);
+            lo_add_rms_norm(res, H, y_o, w[3], h, M, (int)H, m->eps, dt, 1);
+            gv_widen(h, H, xf, M, H, dt, q8);
+            gv_share_redo(&tm, c + W_GATE_UP, fl + P_GATE_UP * max_runs, xf, w[4], sc[4], gu,
+                          2 * I, M, 2 * I, H, dt);
+            lo_silu_mul(gu, act, M, (int)I, dt, 1);
+            gv_widen(act, I, xf, M, I, dt, q8);
+            gv_share_redo(&tm, c + W_DOWN, fl + P_DOWN * max_runs, xf, w[5], sc[5], y_d, H, M,
+                          H, I, dt);
+            lo_add_rms_norm(res, H, y_d, l + 1 < L ? weights[6 * (l + 1)] : final_norm, h, M,
+                            (int)H, m->eps, dt, 1);
+            if (l + 1 < L) {
+                gv_widen(h, H, xf, M, H, dt, q8);
+                continue;
+            }
+            if (head) { /* the logits, shared out as a projection (the last counters' set) */
+                gv_widen(h, H, xf, M, H, dt, head_q8);
+                gv_share_redo(&tm, L * W_STEPS + W_QKV, head_flags, xf, head->w, head->scales,
+                              head->logits, head->V, M, head->V, H, dt);
+            }
+            if (!__atomic_exchange_n(&finished, 1, __ATOMIC_ACQ_REL)) {
+                /* the first thread through publishes; x is written after the region */
+                memcpy(out, h, (size_t)(M * H) * es);
+                memcpy(x_final, res, (size_t)(M * H) * es);
+            }
+        }
+    }
+    if (!rc)
+        memcpy(x, x_final, (size_t)(M * H) * es);
+    free(shared);
+    free(work);
+    return rc;
+}
+
 /* weights: 6 pointers per layer (input_norm, qkv, o, post_norm, gate_up, down); scales:
  * NULL, or 6 per layer likewise where the projections are int8 (a float32 scale per output
  * row; the norms' entries unused), the activations then staying float32 for them; cache:
  * the [L, 2, num_blocks, block_size, Hkv, D] KV cache; x [M, H] the residual stream (the
  * embeddings in, updated in place); out [M, H] the final norm of the last residual;
- * packed: NULL, or 6 per layer likewise, the projections packed for the batched kernels
- * (al_pack for bfloat16, fp_pack for float32): then the batched form above runs.
+ * head: NULL, or the LM head, whose logits the GEMV form then computes too (the batched
+ * form leaves them to the caller); packed: NULL, or 6 per layer likewise, the projections
+ * packed for the batched kernels (al_pack for bfloat16, fp_pack for float32): then the
+ * batched form above runs.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
  * failed; -4 a slot outside the cache (nothing written); -5 packed weights given where this
  * build or machine lacks the batched kernel (nothing written). */
 int ds_decode_layers(const struct ds_model *m, const void *const *weights,
                      const float *const *scales, const void *const *packed,
-                     const void *final_norm, void *cache, void *x, void *out,
-                     const int64_t *positions, const int64_t *slots, const int32_t *lens,
-                     const int32_t *tables, int64_t bt_stride, const void *cos_t,
-                     const void *sin_t, int64_t num_slots, int64_t M, int num_threads)
+                     const void *final_norm, const struct ds_head *head, void *cache, void *x,
+                     void *out, const int64_t *positions, const int64_t *slots,
+                     const int32_t *lens, const int32_t *tables, int64_t bt_stride,
+                     const void *cos_t, const void *sin_t, int64_t num_slots, int64_t M,
+                     int num_threads)
 {
     for (int64_t b = 0; b < M; b++)
         if (slots[b] < 0 || slots[b] >= num_slots)
@@ -366,102 +627,6 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     if (packed)
         return batched_layers(m, weights, packed, final_norm, cache, x, out, positions, slots,
                               lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
-    const int dt = m->dt;
-    const int q8 = scales != NULL;
-    static const float *const no_scales[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
-    const size_t es = dt == DT_F32 ? 4 : 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
-    const int64_t H = m->H, QD = m->Hq * m->D, KVD = m->Hkv * m->D, I = m->I;
-    const int64_t QKV = QD + 2 * KVD;
-    const int64_t widest = H > QD ? (H > I ? H : I) : (QD > I ? QD : I);
-    char *scratch = malloc((size_t)M * (size_t)(H + QKV + QD + 2 * I + I + H) * es);
-    /* x prepared for the projections (float32 rows, or quantized for int8 weights): the
-     * buffer grows with K, so the widest input sizes it */
-    float *xf = malloc(gv_xbuf_bytes(M, widest, q8));
-    const int want = num_threads > 1 ? num_threads : 1;
-    struct share_counter *work = new_counters(m->L, want);
-    if (!scratch || !xf || !work) {
-        free(scratch);
-        free(xf);
-        free(work);
-        return -1;
-    }
-    void *h = scratch, *qkv = scratch + M * H * es, *attn = (char *)qkv + M * QKV * es;
-    void *gu = (char *)attn + M * QD * es, *act = (char *)gu + M * 2 * I * es;
-    void *y = (char *)act + M * I * es;
-    int rc = 0;
-    struct spin_barrier bar = {0, 0, want};
-#pragma omp parallel num_threads(want)
-    {
-        struct team tm = {work, 0, 1, want};
-        join_team(&bar, &tm.t, &tm.nt);
-        /* The one-thread steps (element-wise, attention over these few rows) go to the
-         * first thread that gets to them; the barrier after each publishes what it wrote. */
-        if (first_here(&tm, m->L * W_STEPS + W_NEXT_NORM)) {
-            lo_add_rms_norm(x, H, NULL, weights[0], h, M, (int)H, m->eps, dt, 1);
-            gv_widen(h, H, xf, M, H, dt, q8);
-        }
-        barrier_wait(&bar);
-        for (int64_t l = 0; l < m->L; l++) {
-            const void *const *w = weights + 6 * l;
-            const float *const *sc = scales ? scales + 6 * l : no_scales;
-            const int64_t c = l * W_STEPS; /* this layer's counters */
-            char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
-            char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
-            gv_share(&tm, c + W_QKV, xf, w[1], sc[1], qkv, QKV, M, QKV, H, dt);
-            barrier_wait(&bar);
-            if (first_here(&tm, c + W_ATTN)) {
-                int err = 0;
-                if (lo_rope(qkv, QKV, positions, cos_t, sin_t, m->max_position, M,
-                            (int)(m->Hq + m->Hkv), (int)m->D, dt, 1) >= 0)
-                    err = -2;
-                for (int64_t b = 0; b < M && !err; b++) {
-                    const char *row = (const char *)qkv + (size_t)(b * QKV) * es;
-                    store_row(k_cache + (size_t)(slots[b] * KVD) * kv_es, row + QD * es, KVD,
-                              dt, m->kv_dt);
-                    store_row(v_cache + (size_t)(slots[b] * KVD) * kv_es,
-                              row + (QD + KVD) * es, KVD, dt, m->kv_dt);
-                }
-                if (!err && pd_decode(qkv, QKV, k_cache, v_cache, tables, bt_stride, lens,
-                                      attn, (int)M, (int)m->Hq, (int)m->Hkv, (int)m->D,
-                                      (int)m->block_size, m->scale, dt, m->kv_dt, 1))
-                    err = -3;
-                if (err)
-                    __atomic_store_n(&rc, err, __ATOMIC_RELAXED);
-                else
-                    gv_widen(attn, QD, xf, M, QD, dt, q8);
-            }
-            barrier_wait(&bar);
-            if (__atomic_load_n(&rc, __ATOMIC_RELAXED)) /* every thread leaves here */
-                break;
-            gv_share(&tm, c + W_O, xf, w[2], sc[2], y, H, M, H, QD, dt);
-            barrier_wait(&bar);
-            if (first_here(&tm, c + W_POST_NORM)) {
-                lo_add_rms_norm(x, H, y, w[3], h, M, (int)H, m->eps, dt, 1);
-                gv_widen(h, H, xf, M, H, dt, q8);
-            }
-            barrier_wait(&bar);
-            gv_share(&tm, c + W_GATE_UP, xf, w[4], sc[4], gu, 2 * I, M, 2 * I, H, dt);
-            barrier_wait(&bar);
-            if (first_here(&tm, c + W_SILU)) {
-                lo_silu_mul(gu, act, M, (int)I, dt, 1);
-                gv_widen(act, I, xf, M, I, dt, q8);
-            }
-            barrier_wait(&bar);
-            gv_share(&tm, c + W_DOWN, xf, w[5], sc[5], y, H, M, H, I, dt);
-            barrier_wait(&bar);
-            if (first_here(&tm, c + W_NEXT_NORM)) {
-                lo_add_rms_norm(x, H, y, l + 1 < m->L ? weights[6 * (l + 1)] : final_norm, h,
-                                M, (int)H, m->eps, dt, 1);
-                if (l + 1 < m->L)
-                    gv_widen(h, H, xf, M, H, dt, q8);
-            }
-            barrier_wait(&bar);
-        }
-    }
-    if (!rc)
-        memcpy(out, h, (size_t)(M * H) * es);
-    free(scratch);
-    free(xf);
-    free(work);
-    return rc;
+    return gemv_layers(m, weights, scales, final_norm, head, cache, x, out, positions, slots,
+                       lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
 }

@@ -33,6 +33,13 @@ class DsModel(ctypes.Structure):
          ("kv_dt", ctypes.c_int)]
 
 
+class DsHead(ctypes.Structure):
+    """struct ds_head in decode_stack.c: the LM head and where its logits go."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("V", ctypes.c_int64),
+                ("logits", ctypes.c_void_p)]
+
+
 _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers"),
            -2: (ValueError, "a position is outside the RoPE tables"),
            -3: (MemoryError, "the paged decode kernel could not allocate its scratch memory"),
@@ -99,6 +106,15 @@ class CpuDecodeStack:
                                      f"{sshape}")
                 pointers.append(t.data_ptr())
                 scales.append(None if s is None else s.data_ptr())
+        # the LM head as the model's linear reads it: its int8 copy where there is one
+        head = model.lm_head_int8
+        head_w, head_s = (head.q, head.scale) if head is not None else (model.lm_head, None)
+        if (head_w.dtype != (torch.int8 if head_s is not None else dt)
+                or tuple(head_w.shape) != (d.vocab_size, h) or not head_w.is_contiguous()
+                or (head_s is not None and (not head_s.is_contiguous() or tuple(
+                    head_s.shape) != (d.vocab_size, num_groups(h))))):
+            raise ValueError(f"the LM head must be a contiguous {dt} or int8 "
+                             f"[{d.vocab_size}, {h}]")
         for name, t in (("final_norm", model.final_norm), ("cos", model.cos),
                         ("sin", model.sin)):
             if t.dtype != dt or not t.is_contiguous():
@@ -111,6 +127,9 @@ class CpuDecodeStack:
         self._scales = (ctypes.c_void_p * len(scales))(*scales) if int8 else None
         self._kv = kv_data
         self._model = model
+        self._head = DsHead(w=head_w.data_ptr(),
+                            scales=None if head_s is None else head_s.data_ptr(),
+                            V=d.vocab_size, logits=None)
         # the batched form's packed projections (None in a norm's place), or None
         self._packed = _packed_pointers([
             getattr(layer, name) for layer in model.layers for name in want])
@@ -125,10 +144,11 @@ class CpuDecodeStack:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """The final-normed hidden states [M, H] of M decode rows; x [M, H] (the
+        """The logits [M, vocab] (the model's dtype) of M decode rows; x [M, H] (the
         embeddings) is the residual stream, updated in place. positions and slots: int64
         [M]; seq_lens: int32 [M] (context after this token); block_tables: int32
-        [M, max_blocks] with contiguous rows."""
+        [M, max_blocks] with contiguous rows. Up to GEMV_MAX_ROWS rows the LM head runs in
+        the same C call; past that, through the model's linear."""
         m = self._model
         t = x.shape[0]
         if (x.dtype != m.dtype or x.dim() != 2 or x.shape[1] != m.dims.hidden_size
@@ -151,9 +171,14 @@ class CpuDecodeStack:
             raise ValueError(f"{t} rows: the decode stack takes at most {self.max_rows}")
         packed = self._packed if t > GEMV_MAX_ROWS else None
         out = torch.empty_like(x)
+        logits, head = None, None
+        if packed is None:
+            logits = torch.empty((t, m.dims.vocab_size), dtype=m.dtype)
+            head = self._head
+            head.logits = logits.data_ptr()
         rc = self._lib.ds_decode_layers(
             ctypes.byref(self._dims), self._weights, self._scales, packed,
-            m.final_norm.data_ptr(),
+            m.final_norm.data_ptr(), None if head is None else ctypes.byref(head),
             self._kv.data_ptr(), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), m.cos.data_ptr(), m.sin.data_ptr(), self._num_slots, t,
@@ -161,4 +186,4 @@ class CpuDecodeStack:
         if rc:
             error, message = _ERRORS[rc]
             raise error(message)
-        return out
+        return logits if logits is not None else m.linear(out, m.lm_head)

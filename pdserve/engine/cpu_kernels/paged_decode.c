@@ -632,3 +632,42 @@ int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void 
                                     Hkv, D, block_size, scale, q_dt, kv_dt, nt);
     return claim_items(&a, next);
 }
+
+/* pd_decode_team's work where no thread waits on another (decode_stack.c's GEMV form).
+ * Items are claimed from *next as there; each item's output rows, once written, are
+ * flagged in flags[item] (zeroed before the first thread arrives). A thread with no item
+ * left to claim goes through the items others claimed: for each one not flagged,
+ * wait(flag) gives its taker a moment, and if it returns 0 the thread computes the item
+ * itself. An item writes only its own heads' output rows, each value the same whoever
+ * computes it. claimed() is called between claiming an item and computing it (the tests'
+ * way to make a thread lose its core there). On return (0) every item's output is written and visible to this thread;
+ * -1 when its scratch memory could not be allocated (nothing computed here). */
+int pd_decode_team_redo(const void *q, int64_t q_stride_b, const void *k, const void *v,
+                        const int32_t *tables, int64_t bt_stride, const int32_t *lens,
+                        void *out, int B, int Hq, int Hkv, int D, int block_size, float scale,
+                        int q_dt, int kv_dt, int nt, int *next, uint8_t *flags,
+                        int (*wait)(const uint8_t *), void (*claimed)(void))
+{
+    const struct args a = make_args(q, q_stride_b, k, v, tables, bt_stride, lens, out, B, Hq,
+                                    Hkv, D, block_size, scale, q_dt, kv_dt, nt);
+    const item_fn item = pick_item(a.D, a.q_dt, a.kv_dt);
+    const int per_seq = a.Hkv / a.hg, items = a.B * per_seq;
+    float *scratch = malloc(scratch_floats(&a) * sizeof(float));
+    if (!scratch)
+        return -1;
+    for (;;) {
+        const int i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= items)
+            break;
+        claimed();
+        item(&a, i / per_seq, (i % per_seq) * a.hg, scratch);
+        __atomic_store_n(&flags[i], 1, __ATOMIC_RELEASE);
+    }
+    for (int i = 0; i < items; i++)
+        if (!wait(&flags[i])) {
+            item(&a, i / per_seq, (i % per_seq) * a.hg, scratch);
+            __atomic_store_n(&flags[i], 1, __ATOMIC_RELEASE);
+        }
+    free(scratch);
+    return 0;
+}
