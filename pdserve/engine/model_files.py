@@ -19,8 +19,9 @@ GGUF's header (metadata and tensor index: everything the export reads, not the w
 the key costs a few MB of reading for any model size) and the transformers version. The
 rename is atomic: a directory that exists is complete, and of two processes exporting at
 once, one rename wins and the other discards its copy. Processes that load torch anyway
-(the workers) use the export too, writing it themselves when it is missing: reading the
-tokenizer from the GGUF took ~9 s at every worker start, the export ~0.4 s.
+(the workers) use the export too where it exists (the gateway's first start, or the
+Makefile's setup, made it), and read the GGUF where it does not: the GGUF's tokenizer took
+~9 s at every worker start, the export's ~0.4 s.
 """
 
 from __future__ import annotations
@@ -99,19 +100,14 @@ def resolve_model(model: str) -> ModelSource:
 
 def _hf_location(source: ModelSource) -> tuple[str, dict[str, Any]]:
     """Where transformers reads the config and tokenizer from: a directory's own files, or
-    for a GGUF its export (made here on first use: by a child process where torch is
-    hidden, in this process otherwise; the GGUF itself only where the export cannot be
-    written)."""
+    for a GGUF its export where it exists (a torch-free process makes it when it does not,
+    through a child; a process with torch then reads the GGUF itself)."""
     if not source.gguf_file:
         return source.directory, {}
     if torch_hidden():
         return str(gguf_export(source)), {}
-    try:
-        return str(write_gguf_export(source)), {}
-    except OSError as e:
-        log.warning("could not export the tokenizer and config of %s (%s); reading the GGUF",
-                    source.gguf_file, e)
-        return _gguf_location(source)
+    export = gguf_export_dir(os.path.join(source.directory, source.gguf_file))
+    return (str(export), {}) if export.is_dir() else _gguf_location(source)
 
 
 def _gguf_location(source: ModelSource) -> tuple[str, dict[str, Any]]:
@@ -279,9 +275,8 @@ def gguf_export(source: ModelSource) -> Path:
 
 
 def write_gguf_export(source: ModelSource) -> Path:
-    """Read the GGUF's config and tokenizer (through torch) and write them as the export:
-    the child's side of `gguf_export`, and a worker's own where the export is missing.
-    Returns the export's directory."""
+    """Read the GGUF's config and tokenizer (through torch) and write them as the export;
+    the child's side of `gguf_export`. Returns the export's directory."""
     assert source.gguf_file is not None and not torch_hidden()
     target = gguf_export_dir(os.path.join(source.directory, source.gguf_file))
     if target.is_dir():
