@@ -144,16 +144,17 @@ def test_layouts_it_does_not_take_are_refused(tiny_model_dir):
 
 def _wide_model(dtype: torch.dtype, rows: int):
     """Two random layers wide enough that every thread's share of a projection is many
-    runs (decode_stack.c's work sharing), and a cache of eight 16-token blocks per row."""
+    runs (decode_stack.c's work sharing), a vocabulary the batched kernels pack (the LM
+    head in the C call for both forms), and a cache of eight 16-token blocks per row."""
     from transformers import LlamaConfig
 
     h, i, heads, kv_heads, hd = 256, 1024, 4, 2, 64
     dims = llama.LlamaDims(num_layers=2, hidden_size=h, num_heads=heads,
                            num_kv_heads=kv_heads, head_dim=hd, intermediate_size=i,
-                           vocab_size=300, rms_norm_eps=1e-5, max_position=128)
+                           vocab_size=320, rms_norm_eps=1e-5, max_position=128)
     gen = torch.Generator().manual_seed(3)
-    state = {"model.embed_tokens.weight": torch.randn(300, h, generator=gen),
-             "lm_head.weight": torch.randn(300, h, generator=gen),
+    state = {"model.embed_tokens.weight": torch.randn(320, h, generator=gen),
+             "lm_head.weight": torch.randn(320, h, generator=gen),
              "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=gen)}
     for n in range(2):
         p = f"model.layers.{n}."
@@ -165,7 +166,7 @@ def _wide_model(dtype: torch.dtype, rows: int):
             state[p + name + ".weight"] = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
         for name in ("input_layernorm", "post_attention_layernorm"):
             state[p + name + ".weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=h, intermediate_size=i, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=320, hidden_size=h, intermediate_size=i, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
                       max_position_embeddings=128, tie_word_embeddings=False)
     model = llama.LlamaModel(dims, state, cfg, dtype, torch.device("cpu"))
@@ -185,6 +186,7 @@ def test_the_result_does_not_depend_on_the_team(dtype, rows):
         pytest.skip(f"no batched kernel for {dtype} here")
     model, kv = _wide_model(dtype, rows)
     stack = CpuDecodeStack(model, kv)
+    assert rows <= GEMV_MAX_ROWS or stack._head.packed  # the batched form's head in C
     pos = torch.tensor([(5 * r) % 100 + 3 for r in range(rows)])
     step = dict(positions=pos, slots=torch.arange(rows) * 128 + pos,
                 seq_lens=(pos + 1).to(torch.int32),

@@ -218,11 +218,13 @@ struct ds_model {
     int dt, kv_dt;
 };
 
-/* The LM head, for the GEMV form: logits [M, V] (dtype dt) = the final norm @ w^T, w of
- * dtype dt or int8 with its scales (as a projection's). */
+/* The LM head: logits [M, V] (dtype dt) = the final norm @ w^T. The GEMV form reads w (of
+ * dtype dt, or int8 with its scales, as a projection's); the batched form reads packed (the
+ * batched kernels' copy), and leaves the logits to the caller where it is NULL. */
 struct ds_head {
     const void *w;
     const float *scales;
+    const void *packed;
     int64_t V;
     void *logits;
 };
@@ -262,8 +264,8 @@ static void packed_share(const struct team *tm, int64_t step, const char *x, int
 }
 
 static int batched_layers(const struct ds_model *m, const void *const *weights,
-                          const void *const *packed, const void *final_norm, void *cache,
-                          void *x, void *out, const int64_t *positions, const int64_t *slots,
+                          const void *const *packed, const void *final_norm,
+                          const struct ds_head *head, void *cache, void *x, void *out, const int64_t *positions, const int64_t *slots,
                           const int32_t *lens, const int32_t *tables, int64_t bt_stride,
                           const void *cos_t, const void *sin_t, int64_t M, int num_threads)
 {
@@ -347,6 +349,10 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
                                 r1 - r0, (int)H, m->eps, dt, 1);
             barrier_wait(&bar);
         }
+        /* the logits, shared out as a projection (the last counters' set) */
+        if (head && head->packed && !__atomic_load_n(&rc, __ATOMIC_RELAXED))
+            packed_share(&tm, m->L * W_STEPS + W_QKV, h, H, M, head->packed, head->V, H,
+                         head->logits, dt);
     }
 #undef AT
     if (!rc)
@@ -604,8 +610,8 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
  * row; the norms' entries unused), the activations then staying float32 for them; cache:
  * the [L, 2, num_blocks, block_size, Hkv, D] KV cache; x [M, H] the residual stream (the
  * embeddings in, updated in place); out [M, H] the final norm of the last residual;
- * head: NULL, or the LM head, whose logits the GEMV form then computes too (the batched
- * form leaves them to the caller); packed: NULL, or 6 per layer likewise, the projections
+ * head: NULL, or the LM head, whose logits are then computed too (struct ds_head);
+ * packed: NULL, or 6 per layer likewise, the projections
  * packed for the batched kernels (al_pack for bfloat16, fp_pack for float32): then the
  * batched form above runs.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
@@ -625,8 +631,8 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     if (packed && !(m->dt == DT_BF16 ? al_available() : fp_available()))
         return -5;
     if (packed)
-        return batched_layers(m, weights, packed, final_norm, cache, x, out, positions, slots,
-                              lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
+        return batched_layers(m, weights, packed, final_norm, head, cache, x, out, positions,
+                              slots, lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
     return gemv_layers(m, weights, scales, final_norm, head, cache, x, out, positions, slots,
                        lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
 }

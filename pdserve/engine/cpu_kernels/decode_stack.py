@@ -36,8 +36,8 @@ class DsModel(ctypes.Structure):
 class DsHead(ctypes.Structure):
     """struct ds_head in decode_stack.c: the LM head and where its logits go."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("V", ctypes.c_int64),
-                ("logits", ctypes.c_void_p)]
+    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("packed", ctypes.c_void_p), ("V", ctypes.c_int64), ("logits", ctypes.c_void_p)]
 
 
 _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers"),
@@ -127,12 +127,17 @@ class CpuDecodeStack:
         self._scales = (ctypes.c_void_p * len(scales))(*scales) if int8 else None
         self._kv = kv_data
         self._model = model
-        self._head = DsHead(w=head_w.data_ptr(),
-                            scales=None if head_s is None else head_s.data_ptr(),
-                            V=d.vocab_size, logits=None)
         # the batched form's packed projections (None in a norm's place), or None
         self._packed = _packed_pointers([
             getattr(layer, name) for layer in model.layers for name in want])
+        # the batched form's copy of the head, where it has one (not over int8 weights,
+        # which the model's linear reads as int8)
+        head_packed = batch_packed(model.lm_head) if self._packed is not None and (
+            head_s is None) else None
+        self._head = DsHead(w=head_w.data_ptr(),
+                            scales=None if head_s is None else head_s.data_ptr(),
+                            packed=None if head_packed is None else head_packed.data_ptr(),
+                            V=d.vocab_size, logits=None)
         # the most rows `run` takes
         self.max_rows = BATCH_MAX_ROWS if self._packed is not None else GEMV_MAX_ROWS
         self._num_slots = kv_data.shape[2] * kv_data.shape[3]
@@ -147,8 +152,8 @@ class CpuDecodeStack:
         """The logits [M, vocab] (the model's dtype) of M decode rows; x [M, H] (the
         embeddings) is the residual stream, updated in place. positions and slots: int64
         [M]; seq_lens: int32 [M] (context after this token); block_tables: int32
-        [M, max_blocks] with contiguous rows. Up to GEMV_MAX_ROWS rows the LM head runs in
-        the same C call; past that, through the model's linear."""
+        [M, max_blocks] with contiguous rows. The LM head runs in the same C call, except
+        for a batch whose head has no packed copy (through the model's linear then)."""
         m = self._model
         t = x.shape[0]
         if (x.dtype != m.dtype or x.dim() != 2 or x.shape[1] != m.dims.hidden_size
@@ -171,14 +176,14 @@ class CpuDecodeStack:
             raise ValueError(f"{t} rows: the decode stack takes at most {self.max_rows}")
         packed = self._packed if t > GEMV_MAX_ROWS else None
         out = torch.empty_like(x)
-        logits, head = None, None
-        if packed is None:
+        head = self._head
+        logits = None
+        if packed is None or head.packed:  # the C call computes the logits too
             logits = torch.empty((t, m.dims.vocab_size), dtype=m.dtype)
-            head = self._head
-            head.logits = logits.data_ptr()
+        head.logits = None if logits is None else logits.data_ptr()
         rc = self._lib.ds_decode_layers(
             ctypes.byref(self._dims), self._weights, self._scales, packed,
-            m.final_norm.data_ptr(), None if head is None else ctypes.byref(head),
+            m.final_norm.data_ptr(), None if logits is None else ctypes.byref(head),
             self._kv.data_ptr(), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), m.cos.data_ptr(), m.sin.data_ptr(), self._num_slots, t,
