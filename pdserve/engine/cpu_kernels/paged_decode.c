@@ -565,12 +565,21 @@ int pd_validate(const int32_t *lens, const int32_t *tables, int64_t bt_stride, i
     return 0;
 }
 
+/* The redo side of claim_items (pd_decode_team_redo): the flags of the call's items, how a
+ * thread waits for one a sibling holds, and the tests' hook between a claim and its work. */
+struct redo {
+    uint8_t *flags;
+    int (*wait)(const uint8_t *);
+    void (*claimed)(void);
+};
+
 /* Work items of one call, claimed one at a time from *next by every thread that calls this
  * with the same arguments. Dynamic claiming: sequences differ in length, so a static split
- * would leave a thread idle while another finishes the long ones. Returns 0, or -1 when
- * this thread's scratch memory could not be allocated (its items are left to the others;
- * the caller reports the failure). */
-static int claim_items(const struct args *a, int *next)
+ * would leave a thread idle while another finishes the long ones. With redo, each item is
+ * flagged once written, and a thread out of items computes any its siblings hold that
+ * redo->wait gives up on. Returns 0, or -1 when this thread's scratch memory could not be
+ * allocated (its items are left to the others; the caller reports the failure). */
+static int claim_items(const struct args *a, int *next, const struct redo *redo)
 {
     const item_fn item = pick_item(a->D, a->q_dt, a->kv_dt);
     const int per_seq = a->Hkv / a->hg, items = a->B * per_seq;
@@ -581,8 +590,17 @@ static int claim_items(const struct args *a, int *next)
         const int i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
         if (i >= items)
             break;
+        if (redo)
+            redo->claimed();
         item(a, i / per_seq, (i % per_seq) * a->hg, scratch);
+        if (redo)
+            __atomic_store_n(&redo->flags[i], 1, __ATOMIC_RELEASE);
     }
+    for (int i = 0; redo && i < items; i++)
+        if (!redo->wait(&redo->flags[i])) {
+            item(a, i / per_seq, (i % per_seq) * a->hg, scratch);
+            __atomic_store_n(&redo->flags[i], 1, __ATOMIC_RELEASE);
+        }
     free(scratch);
     return 0;
 }
@@ -615,7 +633,7 @@ int pd_decode(const void *q, int64_t q_stride_b, const void *k, const void *v,
     if (num_threads > items)
         num_threads = items;
 #pragma omp parallel num_threads(num_threads)
-    if (claim_items(&a, &next))
+    if (claim_items(&a, &next, NULL))
         __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     return failed ? -1 : 0;
 }
@@ -630,7 +648,7 @@ int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void 
 {
     const struct args a = make_args(q, q_stride_b, k, v, tables, bt_stride, lens, out, B, Hq,
                                     Hkv, D, block_size, scale, q_dt, kv_dt, nt);
-    return claim_items(&a, next);
+    return claim_items(&a, next, NULL);
 }
 
 /* pd_decode_team's work where no thread waits on another (decode_stack.c's GEMV form).
@@ -640,8 +658,9 @@ int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void 
  * wait(flag) gives its taker a moment, and if it returns 0 the thread computes the item
  * itself. An item writes only its own heads' output rows, each value the same whoever
  * computes it. claimed() is called between claiming an item and computing it (the tests'
- * way to make a thread lose its core there). On return (0) every item's output is written and visible to this thread;
- * -1 when its scratch memory could not be allocated (nothing computed here). */
+ * way to make a thread lose its core there). On return (0) every item's output is written
+ * and visible to this thread; -1 when its scratch memory could not be allocated (nothing
+ * computed here). */
 int pd_decode_team_redo(const void *q, int64_t q_stride_b, const void *k, const void *v,
                         const int32_t *tables, int64_t bt_stride, const int32_t *lens,
                         void *out, int B, int Hq, int Hkv, int D, int block_size, float scale,
@@ -650,24 +669,6 @@ int pd_decode_team_redo(const void *q, int64_t q_stride_b, const void *k, const 
 {
     const struct args a = make_args(q, q_stride_b, k, v, tables, bt_stride, lens, out, B, Hq,
                                     Hkv, D, block_size, scale, q_dt, kv_dt, nt);
-    const item_fn item = pick_item(a.D, a.q_dt, a.kv_dt);
-    const int per_seq = a.Hkv / a.hg, items = a.B * per_seq;
-    float *scratch = malloc(scratch_floats(&a) * sizeof(float));
-    if (!scratch)
-        return -1;
-    for (;;) {
-        const int i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (i >= items)
-            break;
-        claimed();
-        item(&a, i / per_seq, (i % per_seq) * a.hg, scratch);
-        __atomic_store_n(&flags[i], 1, __ATOMIC_RELEASE);
-    }
-    for (int i = 0; i < items; i++)
-        if (!wait(&flags[i])) {
-            item(&a, i / per_seq, (i % per_seq) * a.hg, scratch);
-            __atomic_store_n(&flags[i], 1, __ATOMIC_RELEASE);
-        }
-    free(scratch);
-    return 0;
+    const struct redo redo = {flags, wait, claimed};
+    return claim_items(&a, next, &redo);
 }
