@@ -65,48 +65,79 @@ static inline void narrow(void *dst, int64_t off, const float *src, int n, int d
 
 /* x [T, H] (row stride x_stride) += delta [T, H] (contiguous; NULL: no add), stored back
  * in dt; out [T, H] (contiguous) = weight * x / sqrt(mean(x^2) + eps). */
+static void add_rms_norm_row(void *x, int64_t x_stride, const void *delta,
+                             const void *weight, void *out, int64_t t, int H, float eps, int dt)
+{
+    float a[CHUNK], b[CHUNK];
+    const int64_t row = t * x_stride;
+    float ss = 0.f;
+    for (int i0 = 0; i0 < H; i0 += CHUNK) {
+        const int n = H - i0 < CHUNK ? H - i0 : CHUNK;
+        widen(a, x, row + i0, n, dt);
+        if (delta) {
+            widen(b, delta, t * H + i0, n, dt);
+#pragma omp simd
+            for (int i = 0; i < n; i++)
+                a[i] += b[i];
+            /* the residual stream is kept in dt: the norm sees the stored value */
+            narrow(x, row + i0, a, n, dt);
+            widen(a, x, row + i0, n, dt);
+        }
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < n; i++)
+            ss += a[i] * a[i];
+    }
+    const float r = 1.f / sqrtf(ss / (float)H + eps);
+    for (int i0 = 0; i0 < H; i0 += CHUNK) {
+        const int n = H - i0 < CHUNK ? H - i0 : CHUNK;
+        widen(a, x, row + i0, n, dt);
+        widen(b, weight, i0, n, dt);
+#pragma omp simd
+        for (int i = 0; i < n; i++)
+            a[i] = a[i] * r * b[i];
+        narrow(out, t * H + i0, a, n, dt);
+    }
+}
+
 void lo_add_rms_norm(void *x, int64_t x_stride, const void *delta, const void *weight,
                      void *out, int64_t T, int H, float eps, int dt, int num_threads)
 {
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
-    if (T * H >= PARALLEL_MIN_ELEMS && num_threads > 1)
-    for (int64_t t = 0; t < T; t++) {
-        float a[CHUNK], b[CHUNK];
-        const int64_t row = t * x_stride;
-        float ss = 0.f;
-        for (int i0 = 0; i0 < H; i0 += CHUNK) {
-            const int n = H - i0 < CHUNK ? H - i0 : CHUNK;
-            widen(a, x, row + i0, n, dt);
-            if (delta) {
-                widen(b, delta, t * H + i0, n, dt);
-#pragma omp simd
-                for (int i = 0; i < n; i++)
-                    a[i] += b[i];
-                /* the residual stream is kept in dt: the norm sees the stored value */
-                narrow(x, row + i0, a, n, dt);
-                widen(a, x, row + i0, n, dt);
-            }
-#pragma omp simd reduction(+ : ss)
-            for (int i = 0; i < n; i++)
-                ss += a[i] * a[i];
-        }
-        const float r = 1.f / sqrtf(ss / (float)H + eps);
-        for (int i0 = 0; i0 < H; i0 += CHUNK) {
-            const int n = H - i0 < CHUNK ? H - i0 : CHUNK;
-            widen(a, x, row + i0, n, dt);
-            widen(b, weight, i0, n, dt);
-#pragma omp simd
-            for (int i = 0; i < n; i++)
-                a[i] = a[i] * r * b[i];
-            narrow(out, t * H + i0, a, n, dt);
-        }
+    if (T * H >= PARALLEL_MIN_ELEMS && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            add_rms_norm_row(x, x_stride, delta, weight, out, t, H, eps, dt);
+        return;
     }
+    /* no region at all: even a one-thread region allocates its team, and the decode
+     * stack's threads call these side by side, meeting at malloc's lock (one arena) */
+    for (int64_t t = 0; t < T; t++)
+        add_rms_norm_row(x, x_stride, delta, weight, out, t, H, eps, dt);
 }
 
 /* Rotate-half RoPE in place on `heads` heads of D (even, <= 2 * CHUNK) at the start of
  * each row of qk (row stride row_stride elements, heads packed), with cos/sin tables
  * [max_pos, D] in dt. Returns the first row whose position is outside 0..max_pos-1
  * (nothing written), or -1. */
+static void rope_row(void *qk, int64_t row_stride, const int64_t *positions,
+                     const void *cos_t, const void *sin_t, int64_t t, int heads, int D, int dt)
+{
+    const int half = D / 2;
+    float c[2 * CHUNK], s[2 * CHUNK], x[2 * CHUNK], y[2 * CHUNK];
+    const int64_t p = positions[t] * D;
+    widen(c, cos_t, p, D, dt);
+    widen(s, sin_t, p, D, dt);
+    for (int h = 0; h < heads; h++) {
+        const int64_t off = t * row_stride + (int64_t)h * D;
+        widen(x, qk, off, D, dt);
+#pragma omp simd
+        for (int i = 0; i < half; i++) {
+            y[i] = x[i] * c[i] - x[i + half] * s[i];
+            y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+        narrow(qk, off, y, D, dt);
+    }
+}
+
 int64_t lo_rope(void *qk, int64_t row_stride, const int64_t *positions, const void *cos_t,
                 const void *sin_t, int64_t max_pos, int64_t T, int heads, int D, int dt,
                 int num_threads)
@@ -114,45 +145,42 @@ int64_t lo_rope(void *qk, int64_t row_stride, const int64_t *positions, const vo
     for (int64_t t = 0; t < T; t++)
         if (positions[t] < 0 || positions[t] >= max_pos)
             return t;
-    const int half = D / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
-    if (T * heads * D >= PARALLEL_MIN_ELEMS && num_threads > 1)
-    for (int64_t t = 0; t < T; t++) {
-        float c[2 * CHUNK], s[2 * CHUNK], x[2 * CHUNK], y[2 * CHUNK];
-        const int64_t p = positions[t] * D;
-        widen(c, cos_t, p, D, dt);
-        widen(s, sin_t, p, D, dt);
-        for (int h = 0; h < heads; h++) {
-            const int64_t off = t * row_stride + (int64_t)h * D;
-            widen(x, qk, off, D, dt);
-#pragma omp simd
-            for (int i = 0; i < half; i++) {
-                y[i] = x[i] * c[i] - x[i + half] * s[i];
-                y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-            }
-            narrow(qk, off, y, D, dt);
-        }
+    if (T * heads * D >= PARALLEL_MIN_ELEMS && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            rope_row(qk, row_stride, positions, cos_t, sin_t, t, heads, D, dt);
+    } else {
+        for (int64_t t = 0; t < T; t++) /* no region: see lo_add_rms_norm */
+            rope_row(qk, row_stride, positions, cos_t, sin_t, t, heads, D, dt);
     }
     return -1;
 }
 
 /* out [T, I] (contiguous) = silu(gate_up[:, :I]) * gate_up[:, I:] (gate_up [T, 2I],
  * contiguous). */
+static void silu_mul_row(const void *gate_up, void *out, int64_t t, int I, int dt)
+{
+    float g[CHUNK], u[CHUNK];
+    const int64_t row = t * 2 * (int64_t)I;
+    for (int i0 = 0; i0 < I; i0 += CHUNK) {
+        const int n = I - i0 < CHUNK ? I - i0 : CHUNK;
+        widen(g, gate_up, row + i0, n, dt);
+        widen(u, gate_up, row + I + i0, n, dt);
+#pragma omp simd
+        for (int i = 0; i < n; i++)
+            g[i] = silu(g[i]) * u[i];
+        narrow(out, t * I + i0, g, n, dt);
+    }
+}
+
 void lo_silu_mul(const void *gate_up, void *out, int64_t T, int I, int dt, int num_threads)
 {
-#pragma omp parallel for num_threads(num_threads) schedule(static) \
-    if (T * I >= PARALLEL_MIN_ELEMS && num_threads > 1)
-    for (int64_t t = 0; t < T; t++) {
-        float g[CHUNK], u[CHUNK];
-        const int64_t row = t * 2 * (int64_t)I;
-        for (int i0 = 0; i0 < I; i0 += CHUNK) {
-            const int n = I - i0 < CHUNK ? I - i0 : CHUNK;
-            widen(g, gate_up, row + i0, n, dt);
-            widen(u, gate_up, row + I + i0, n, dt);
-#pragma omp simd
-            for (int i = 0; i < n; i++)
-                g[i] = silu(g[i]) * u[i];
-            narrow(out, t * I + i0, g, n, dt);
-        }
+    if (T * I >= PARALLEL_MIN_ELEMS && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            silu_mul_row(gate_up, out, t, I, dt);
+        return;
     }
+    for (int64_t t = 0; t < T; t++) /* no region: see lo_add_rms_norm */
+        silu_mul_row(gate_up, out, t, I, dt);
 }
