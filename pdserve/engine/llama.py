@@ -187,7 +187,10 @@ class LlamaModel:
         if stack is not None:
             logits = stack.run(self.embed[input_ids], positions, meta.slot_mapping,
                                meta.seq_lens, meta.block_tables)
-            return logits[logits_indices].float()
+            # every row of a pure decode samples, in row order: no vocab-wide gather then
+            if logits_indices.numel() != t:
+                logits = logits[logits_indices]
+            return logits.float()
         q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
         scale = d.head_dim ** -0.5
         ops, eps = self.ops, d.rms_norm_eps

@@ -134,7 +134,7 @@ def read_gguf_tokenizer(source: ModelSource) -> Any | None:
 
 def _read_tokenizer(name: str, directory: str, kwargs: dict[str, Any]) -> Any | None:
     try:
-        fast = _tokenizers_backend(directory) if not kwargs else None
+        fast = None if kwargs else _tokenizers_backend(directory)
         if fast is not None:
             return fast
         from transformers import AutoTokenizer

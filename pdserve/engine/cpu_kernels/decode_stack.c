@@ -170,12 +170,6 @@ static int take(const struct team *tm, int64_t step, int64_t n, int64_t run, int
     return 0;
 }
 
-/* 1 for the thread that runs a one-thread step: the first to get to it. */
-static int first_here(const struct team *tm, int64_t step)
-{
-    return __atomic_fetch_add(&tm->counters[step * tm->stride].runs, 1, __ATOMIC_RELAXED) == 0;
-}
-
 /* Zeroed counters for a step of L layers and up to `threads` threads, or NULL. */
 static struct share_counter *new_counters(int64_t L, int threads)
 {
@@ -184,17 +178,6 @@ static struct share_counter *new_counters(int64_t L, int threads)
     if (c)
         memset(c, 0, bytes);
     return c;
-}
-
-/* y = xf @ w^T (gv_rows), in runs of output columns. */
-static void gv_share(const struct team *tm, int64_t step, const float *xf, const void *w,
-                     const float *scales, void *y, int64_t y_stride, int64_t M, int64_t N,
-                     int64_t K, int dt)
-{
-    const int64_t row_bytes = K * (scales ? 1 : dt == DT_F32 ? 4 : 2);
-    const int64_t run = GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
-    for (int64_t n0, n1; take(tm, step, N, run, &n0, &n1);)
-        gv_rows(xf, w, scales, y, y_stride, M, n0, n1, K, dt);
 }
 
 /* y [M, N] = x @ W^T on the tiles (al_blocks), in runs of N-blocks. A thread claims its
@@ -265,9 +248,10 @@ static void packed_share(const struct team *tm, int64_t step, const char *x, int
 
 static int batched_layers(const struct ds_model *m, const void *const *weights,
                           const void *const *packed, const void *final_norm,
-                          const struct ds_head *head, void *cache, void *x, void *out, const int64_t *positions, const int64_t *slots,
-                          const int32_t *lens, const int32_t *tables, int64_t bt_stride,
-                          const void *cos_t, const void *sin_t, int64_t M, int num_threads)
+                          const struct ds_head *head, void *cache, void *x, void *out,
+                          const int64_t *positions, const int64_t *slots, const int32_t *lens,
+                          const int32_t *tables, int64_t bt_stride, const void *cos_t,
+                          const void *sin_t, int64_t M, int num_threads)
 {
     const int dt = m->dt;
     const size_t es = dt == DT_F32 ? 4 : 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
@@ -369,7 +353,7 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
  * layer, the sibling then stops at the next barrier until the preempted thread runs again,
  * so the step loses the whole preemption. Here no thread ever waits for another:
  *  - each projection's output columns are cut into runs (GV_RUN_BYTES of weights each) and
- *    handed out as in gv_share; a run, once written, is flagged done. A thread out of runs
+ *    handed out by `take`; a run, once written, is flagged done. A thread out of runs
  *    to take looks for runs taken but not flagged, gives each RUN_WAIT_NS to be flagged, and
  *    then computes it itself. Columns are computed the same way whoever computes them, and
  *    a late writer writes the same values, so two writers do no harm;
@@ -437,15 +421,28 @@ static int wait_flag(const uint8_t *flag)
     }
 }
 
+/* Output columns per GEMV run: GV_RUN_BYTES of weight rows of K inputs (int8 or dt). */
+static int64_t gv_run_cols(int64_t K, int q8, int dt)
+{
+    const int64_t row_bytes = K * (q8 ? 1 : dt == DT_F32 ? 4 : 2);
+    return GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
+}
+
+/* The runs of a projection with N outputs over K inputs. */
+static int64_t gv_runs(int64_t N, int64_t K, int q8, int dt)
+{
+    const int64_t run = gv_run_cols(K, q8, dt);
+    return (N + run - 1) / run;
+}
+
 /* y = xf @ w^T (gv_rows) in runs of columns; on return every column of y is written and
  * visible to this thread, whoever wrote it. flags: one per run, zeroed before the step. */
 static void gv_share_redo(const struct team *tm, int64_t step, uint8_t *flags, const float *xf,
                           const void *w, const float *scales, void *y, int64_t y_stride,
                           int64_t M, int64_t N, int64_t K, int dt)
 {
-    const int64_t row_bytes = K * (scales ? 1 : dt == DT_F32 ? 4 : 2);
-    const int64_t run = GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
-    const int64_t R = (N + run - 1) / run;
+    const int q8 = scales != NULL;
+    const int64_t run = gv_run_cols(K, q8, dt), R = gv_runs(N, K, q8, dt);
     for (int64_t r, r1; take(tm, step, R, 1, &r, &r1);) {
         claimed();
         gv_rows(xf, w, scales, y, y_stride, M, r * run, min64((r + 1) * run, N), K, dt);
@@ -456,14 +453,6 @@ static void gv_share_redo(const struct team *tm, int64_t step, uint8_t *flags, c
             gv_rows(xf, w, scales, y, y_stride, M, r * run, min64((r + 1) * run, N), K, dt);
             __atomic_store_n(&flags[r], 1, __ATOMIC_RELEASE);
         }
-}
-
-/* The runs of a projection with N outputs over K inputs (gv_share_redo's cut). */
-static int64_t gv_runs(int64_t N, int64_t K, int q8, int dt)
-{
-    const int64_t row_bytes = K * (q8 ? 1 : dt == DT_F32 ? 4 : 2);
-    const int64_t run = GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
-    return (N + run - 1) / run;
 }
 
 static size_t up64(size_t n)
@@ -611,9 +600,8 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
  * the [L, 2, num_blocks, block_size, Hkv, D] KV cache; x [M, H] the residual stream (the
  * embeddings in, updated in place); out [M, H] the final norm of the last residual;
  * head: NULL, or the LM head, whose logits are then computed too (struct ds_head);
- * packed: NULL, or 6 per layer likewise, the projections
- * packed for the batched kernels (al_pack for bfloat16, fp_pack for float32): then the
- * batched form above runs.
+ * packed: NULL, or 6 per layer likewise, the projections packed for the batched kernels
+ * (al_pack for bfloat16, fp_pack for float32): then the batched form above runs.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
  * failed; -4 a slot outside the cache (nothing written); -5 packed weights given where this
  * build or machine lacks the batched kernel (nothing written). */
