@@ -7,7 +7,7 @@ import logging
 
 from conftest import tiny_engine
 
-from pdserve.engine.config import EngineConfig, auto_dtype, cpu_flags
+from pdserve.engine.config import EngineConfig, auto_dtype, cpu_flags, slow_bf16_warning
 from pdserve.protocol import SamplingParams
 
 
@@ -35,3 +35,17 @@ def test_auto_resolves_once_and_says_so(tiny_model_dir, caplog):
     out = eng.generate([[1, 2, 3, 4]], params)[0]
     assert len(out.token_ids) == 4
 
+
+
+def test_bfloat16_without_native_math_warns(tiny_model_dir, caplog):
+    assert slow_bf16_warning(frozenset({"avx2", "fma"})) is not None
+    assert slow_bf16_warning(frozenset({"avx512f", "avx512_bf16"})) is None
+    assert slow_bf16_warning(frozenset()) is None  # flags unknown: nothing to say
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine"):
+        EngineConfig(model=tiny_model_dir, dtype="bfloat16")
+    expected = slow_bf16_warning()
+    assert (expected in caplog.text) if expected else "conversions" not in caplog.text
+    # and it still serves, on whatever paths this CPU has
+    eng = tiny_engine(tiny_model_dir, dtype="bfloat16", num_threads=1)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert len(eng.generate([[1, 2, 3, 4]], params)[0].token_ids) == 4

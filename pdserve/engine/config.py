@@ -43,6 +43,18 @@ def auto_dtype(device: str, flags: frozenset[str] | None = None) -> tuple[str, s
     if found:
         return "bfloat16", f"this CPU has {', '.join(found)}"
     return "float32", f"this CPU has none of {', '.join(BF16_CPU_FLAGS)}"
+
+
+def slow_bf16_warning(flags: frozenset[str] | None = None) -> str | None:
+    """What to warn of when bfloat16 is asked for on this CPU, or None. A CPU without native
+    bfloat16 math (an AVX2-only one, AMD's Zen 3 say) still runs it, through conversions:
+    it halves the weights' memory but computes slower than float32. Nothing where the flags
+    are unknown (no /proc/cpuinfo)."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags or set(BF16_CPU_FLAGS) & flags:
+        return None
+    return (f"dtype bfloat16 on a CPU with none of {', '.join(BF16_CPU_FLAGS)}: it runs through "
+            f"conversions, slower than float32 (--dtype auto picks float32 here)")
 # Whether overlap_scheduling=auto turns overlap on for a CPU engine (see overlap_enabled).
 # Off: on the CPU a launch finishes before it returns, so nothing overlaps. Measured once
 # (tiny model, batch 16 decode, one engine, 16 interleaved on/off rounds of 15 steps, on a
@@ -81,6 +93,10 @@ class EngineConfig:
             dtype, why = auto_dtype(self.device)
             log.info("dtype auto: %s (%s)", dtype, why)
             object.__setattr__(self, "dtype", dtype)  # resolved once: the config stays frozen
+        elif self.dtype == "bfloat16" and self.device == "cpu":
+            warning = slow_bf16_warning()
+            if warning:
+                log.warning("%s", warning)
         dtype_from_name(self.dtype)
         dtype_from_name(self.cache_dtype)
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -4,6 +4,7 @@ or AVX-512 panels (float32) over a packed copy of each weight."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -29,26 +30,45 @@ BATCH_MAX_ROWS = 64
 PACK_ROWS = 128
 
 
+@functools.cache
+def onednn_takes(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's matmul runs this dtype on this CPU: float32 wherever torch has
+    oneDNN; bfloat16 and float16 only with the instructions torch's oneDNN asks for them
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU, AMD's Zen 3 say, has neither),
+    where it otherwise fails to create the primitive."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T through oneDNN's matmul. On the CPU `F.linear` in float32 goes to MKL's
-    sgemm, which re-packs the weight on every call: 1.2-2.5x slower at decode batch sizes
-    (up to 4x for the LM head), measured in docs/benchmarks.md section 1."""
+    """x @ weight.T through oneDNN's matmul (F.linear for a dtype it does not run here,
+    `onednn_takes`). On the CPU `F.linear` in float32 goes to MKL's sgemm, which re-packs
+    the weight on every call: 1.2-2.5x slower at decode batch sizes (up to 4x for the LM
+    head), measured in docs/benchmarks.md section 1."""
+    if not onednn_takes(weight.dtype):
+        return F.linear(x, weight)
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def blocked_onednn_linear() -> Linear:
     """oneDNN's matmul on a blocked copy of each weight, made at its first call and kept
-    while the weight lives (F.linear where torch lacks oneDNN). The blocked layout is what
-    oneDNN would otherwise re-block on every call: 1.2-2.1x on the projections at M = 16-64
-    (float32 75 -> 92-146 GFLOP/s at 16 rows, bfloat16 115 -> 243), 1.05-1.15x at prefill
-    sizes (docs/benchmarks.md section 6). It doubles the projections' memory on the CPU."""
-    if not torch.backends.mkldnn.is_available():
-        return F.linear
+    while the weight lives (F.linear for a dtype oneDNN does not run here). The blocked
+    layout is what oneDNN would otherwise re-block on every call: 1.2-2.1x on the
+    projections at M = 16-64 (float32 75 -> 92-146 GFLOP/s at 16 rows, bfloat16 115 -> 243),
+    1.05-1.15x at prefill sizes (docs/benchmarks.md section 6). It doubles the projections'
+    memory on the CPU."""
     # keyed by id, dropped by a finalizer when the weight goes (a WeakKeyDictionary would
     # compare two tensors with ==)
     packed: dict[int, torch.Tensor] = {}
 
     def blocked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not onednn_takes(weight.dtype):
+            return F.linear(x, weight)
         blocked = packed.get(id(weight))
         if blocked is None:
             blocked = packed[id(weight)] = torch.ops.mkldnn._reorder_linear_weight(weight,
