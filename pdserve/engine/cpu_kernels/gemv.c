@@ -25,13 +25,24 @@
 
 #include "common.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define XB 8 /* rows of x against one weight row per pass (their float32 copies sit in L1) */
 #define PARALLEL_MIN_WEIGHTS 65536 /* below this, waking a second thread costs more */
 #define Q8_GROUP 64 /* int8 weights per scale along K (pdserve.engine.layers.int8.GROUP) */
+
+#ifdef __AVX2__
+/* The sum of a vector's 8 floats. */
+INLINE float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 #ifdef __AVX512F__
 /* The weights PREFETCH_AHEAD bytes past p, into L1: a row ends every 0.6-3 KiB and the
@@ -176,6 +187,81 @@ static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, fl
         return;
     }
 #endif
+    switch (nb) {
+    case 1: dot_row_1(w, x, K, dt, out); break;
+    case 2: dot_row_2(w, x, K, dt, out); break;
+    case 3: dot_row_3(w, x, K, dt, out); break;
+    case 4: dot_row_4(w, x, K, dt, out); break;
+    case 5: dot_row_5(w, x, K, dt, out); break;
+    case 6: dot_row_6(w, x, K, dt, out); break;
+    case 7: dot_row_7(w, x, K, dt, out); break;
+    default: dot_row_8(w, x, K, dt, out); break;
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (AMD's Zen 2 and 3, Intel before AVX-512): the same dot products, 8 weights a
+ * vector, without the software prefetch. The portable loop below computes one row of x
+ * at a time, re-reading the weight row per row of x, with one chain of adds: on two Zen 3
+ * cores a decode step of SmolLM2-135M takes 0.76x its time at 4 rows in float32, 0.70x in
+ * bfloat16, and the same at 1 row (1.00-1.03x, where both read the weights at ~26 GB/s of
+ * the ~31 the memory gives). The AVX-512 section's prefetches into L1 4 and 16 KiB ahead
+ * made that step 1.17x slower here, one 2 KiB ahead 1.08x: Zen 3 fills L1 for every hint
+ * (docs/benchmarks.md section 6, session 18). */
+INLINE __m256 load8_w(const void *w, int64_t k, int dt)
+{
+    if (dt == DT_F32)
+        return _mm256_loadu_ps((const float *)w + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+INLINE float w_at(const void *w, int64_t k, int dt)
+{
+    return dt == DT_F32 ? ((const float *)w)[k] : bf16_to_f32(((const uint16_t *)w)[k]);
+}
+
+/* As the AVX-512 DEFINE_DOT: NB rows of x, U chains each; the last K % 8 in scalar code. */
+#define DEFINE_DOT8(NB, U)                                                                    \
+    static void dot_row_##NB(const void *w, const float *x, int64_t K, int dt, float *out)   \
+    {                                                                                         \
+        __m256 acc[NB][U];                                                                    \
+        for (int b = 0; b < NB; b++)                                                          \
+            for (int u = 0; u < U; u++)                                                       \
+                acc[b][u] = _mm256_setzero_ps();                                              \
+        int64_t k = 0;                                                                        \
+        for (; k + 8 * U <= K; k += 8 * U) {                                                  \
+            for (int u = 0; u < U; u++) {                                                     \
+                const __m256 wv = load8_w(w, k + 8 * u, dt);                                  \
+                for (int b = 0; b < NB; b++)                                                  \
+                    acc[b][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k + 8 * u),   \
+                                                acc[b][u]);                                   \
+            }                                                                                 \
+        }                                                                                     \
+        for (; k + 8 <= K; k += 8) {                                                          \
+            const __m256 wv = load8_w(w, k, dt);                                              \
+            for (int b = 0; b < NB; b++)                                                      \
+                acc[b][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k), acc[b][0]);   \
+        }                                                                                     \
+        for (int b = 0; b < NB; b++) {                                                        \
+            for (int u = 1; u < U; u++)                                                       \
+                acc[b][0] = _mm256_add_ps(acc[b][0], acc[b][u]);                              \
+            float s = hsum8(acc[b][0]);                                                       \
+            for (int64_t j = k; j < K; j++)                                                   \
+                s += w_at(w, j, dt) * x[b * K + j];                                           \
+            out[b] = s;                                                                       \
+        }                                                                                     \
+    }
+DEFINE_DOT8(1, 4)
+DEFINE_DOT8(2, 2)
+DEFINE_DOT8(3, 1)
+DEFINE_DOT8(4, 1)
+DEFINE_DOT8(5, 1)
+DEFINE_DOT8(6, 1)
+DEFINE_DOT8(7, 1)
+DEFINE_DOT8(8, 1)
+
+static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, float out[XB])
+{
     switch (nb) {
     case 1: dot_row_1(w, x, K, dt, out); break;
     case 2: dot_row_2(w, x, K, dt, out); break;
@@ -334,7 +420,62 @@ DEFINE_DOT_Q8(5)
 DEFINE_DOT_Q8(6)
 DEFINE_DOT_Q8(7)
 DEFINE_DOT_Q8(8)
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 has no vpdpbusd; vpmaddubsw multiplies unsigned by signed bytes and adds pairs into
+ * saturating int16. So |w| (unsigned, at most 128) times xq with w's sign (xq is within
+ * +-127): a pair is at most 2 * 128 * 127 = 32512, no saturation, and the sums stay exact;
+ * vpmaddwd then adds pairs of those into int32. |w| is taken once per group for every row
+ * of x. A group past K is read from a zero-padded copy (the row ends there). */
+INLINE __m256i q8_dot32(__m256i aw, __m256i w, const int8_t *xq)
+{
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
 
+#define DEFINE_DOT_Q8(NB)                                                                     \
+    static void dot_q8_##NB(const int8_t *w, const float *sw, const struct q8x *v,           \
+                            int64_t b0, int64_t K, float *out)                                \
+    {                                                                                         \
+        const int64_t full = K / Q8_GROUP;                                                    \
+        __m256 acc[NB];                                                                       \
+        for (int b = 0; b < NB; b++)                                                          \
+            acc[b] = _mm256_setzero_ps();                                                     \
+        for (int64_t g = 0; g < v->G; g++) {                                                  \
+            int8_t pad[Q8_GROUP];                                                             \
+            const int8_t *wg = w + g * Q8_GROUP;                                              \
+            if (g >= full) {                                                                  \
+                memset(pad, 0, sizeof pad);                                                   \
+                memcpy(pad, wg, (size_t)(K - g * Q8_GROUP));                                  \
+                wg = pad;                                                                     \
+            }                                                                                 \
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);                       \
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));                \
+            const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);       \
+            for (int b = 0; b < NB; b++) {                                                    \
+                const int64_t r = (b0 + b) * v->G + g;                                        \
+                const int8_t *xq = v->xq + r * Q8_GROUP;                                      \
+                const __m256i d = _mm256_add_epi32(q8_dot32(a0, w0, xq),                      \
+                                                   q8_dot32(a1, w1, xq + 32));                \
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),                               \
+                                         _mm256_set1_ps(sw[g] * v->sx[r]), acc[b]);           \
+            }                                                                                 \
+        }                                                                                     \
+        for (int b = 0; b < NB; b++)                                                          \
+            out[b] = hsum8(acc[b]);                                                           \
+    }
+DEFINE_DOT_Q8(1)
+DEFINE_DOT_Q8(2)
+DEFINE_DOT_Q8(3)
+DEFINE_DOT_Q8(4)
+DEFINE_DOT_Q8(5)
+DEFINE_DOT_Q8(6)
+DEFINE_DOT_Q8(7)
+DEFINE_DOT_Q8(8)
+
+#endif
+
+#if defined(__AVX512VNNI__) || (defined(__AVX2__) && defined(__FMA__))
 static void dot_q8(const int8_t *w, const float *sw, const struct q8x *v, int64_t b0, int nb,
                    int64_t K, float out[XB])
 {
