@@ -128,8 +128,9 @@ def test_strided_query_out_and_mixed_dtypes():
 
 
 def test_large_head_dim_and_odd_shapes():
-    # head_dim 256 (the maximum), one not a multiple of the vector width, block size 5
-    for d, bs in ((256, 16), (40, 5)):
+    # head_dim 256 (the maximum), ones not a multiple of 16 or of 8 (the portable steps'
+    # vector tails), block size 5
+    for d, bs in ((256, 16), (40, 5), (36, 16)):
         q, k, v, sl, tables = _inputs([1, 9, 33], bs, 4, 2, d, torch.float32, seed=d)
         torch.testing.assert_close(paged_decode_attention(q, k, v, sl, tables, 0.1),
                                    _ref(q, k, v, sl, tables, 0.1), atol=1e-5, rtol=1e-5)

@@ -57,6 +57,44 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
+/* Eight floats as one value, for the portable loops that must keep their accumulators in
+ * registers (written as float arrays indexed in an inner loop, gcc left them on the stack):
+ * gcc lowers a vf8 to one AVX register, or two SSE ones. Loads and stores go through
+ * memcpy, so no alignment is assumed. */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+typedef uint16_t vh8 __attribute__((vector_size(16)));
+
+static inline vf8 load8(const float *p)
+{
+    vf8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, vf8 v)
+{
+    memcpy(p, &v, sizeof v);
+}
+
+/* Elements d..d+7 of a float32 or bfloat16 row, as float32. */
+static inline vf8 load8_dt(const void *row, int64_t d, int dt)
+{
+    if (dt == DT_F32)
+        return load8((const float *)row + d);
+    vh8 h;
+    memcpy(&h, (const uint16_t *)row + d, sizeof h);
+    const vu8 u = __builtin_convertvector(h, vu8) << 16;
+    vf8 v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float hsum_vf8(vf8 v)
+{
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
 /* glibc's vector exp2f / expf (libmvec: what the `omp simd` loops call under -ffast-math)
  * hand the whole vector to a scalar fallback when any one lane is outside the range whose
  * result is a normal float (|x| > 126 for exp2f, > ~88 for expf): 5-8x the time per

@@ -53,12 +53,11 @@ struct args {
     int hg; /* KV heads per work item, a divisor of Hkv */
 };
 
-/* Per-thread scratch, in floats: q and acc [hg*G*D], scores [G*TILE], m, l, corr [hg*G],
- * and two rows for widening bf16 in the portable path. */
+/* Per-thread scratch, in floats: q and acc [hg*G*D], scores [G*TILE], m, l, corr [hg*G]. */
 static size_t scratch_floats(const struct args *a)
 {
     size_t G = (size_t)(a->Hq / a->Hkv), HG = (size_t)a->hg;
-    return 2 * HG * G * a->D + G * TILE + 3 * HG * G + 2 * (size_t)a->D;
+    return 2 * HG * G * a->D + G * TILE + 3 * HG * G;
 }
 
 /* Asks for the row at the same place in the next block (pf bytes on) as this one is read,
@@ -72,48 +71,79 @@ INLINE void prefetch_row(const void *row, ptrdiff_t pf, const int bytes)
             __builtin_prefetch((const char *)row + pf + c, 0, 2);
 }
 
-/* ---- portable tile steps: any D, any dtype; gcc vectorises the D loops ---- */
+/* ---- portable tile steps: any D, any dtype, in eight-float vectors (common.h) ---- */
 
-/* Row r of a tile as float32: the cache itself when it is float32, else widened into buf. */
-static inline const float *row_f32(const void *row, int D, int dt, float *buf)
-{
-    if (dt == DT_F32)
-        return (const float *)row;
-    for (int d = 0; d < D; d++)
-        buf[d] = bf16_to_f32(((const uint16_t *)row)[d]);
-    return buf;
-}
-
+/* s[g][t] = q_g . k_t. Two chains of eight lanes per dot product; a bfloat16 row is
+ * widened in registers. Written as plain loops, gcc kept one chain and a multiply and an
+ * add apart, and accum_tile_c's accumulators in memory: 64 rows x 256 keys of SmolLM2's
+ * heads took 3.0-3.5 ms on one AVX2 core (docs/benchmarks.md section 6, session 18). */
 INLINE void score_tile_c(const float *qf, const void *const *krows, int nt, int G, int D,
-                         int dt, float *s, float *buf, ptrdiff_t pf)
+                         int dt, float *s, ptrdiff_t pf)
 {
+    const int D16 = D & ~15, D8 = D & ~7;
     for (int t = 0; t < nt; t++) {
-        prefetch_row(krows[t], pf, D * (dt == DT_F32 ? 4 : 2));
-        const float *kr = row_f32(krows[t], D, dt, buf);
+        const void *kr = krows[t];
+        prefetch_row(kr, pf, D * (dt == DT_F32 ? 4 : 2));
         for (int g = 0; g < G; g++) {
             const float *qg = qf + g * D;
-            float x = 0.f;
-            for (int d = 0; d < D; d++)
-                x += qg[d] * kr[d];
+            vf8 a0 = {0}, a1 = {0};
+            int d = 0;
+            for (; d < D16; d += 16) {
+                a0 += load8(qg + d) * load8_dt(kr, d, dt);
+                a1 += load8(qg + d + 8) * load8_dt(kr, d + 8, dt);
+            }
+            if (d < D8) {
+                a0 += load8(qg + d) * load8_dt(kr, d, dt);
+                d += 8;
+            }
+            float x = hsum_vf8(a0 + a1);
+            for (; d < D; d++)
+                x += qg[d] * (dt == DT_F32 ? ((const float *)kr)[d]
+                                           : bf16_to_f32(((const uint16_t *)kr)[d]));
             s[g * TILE + t] = x;
         }
     }
 }
 
+/* acc[g] = acc[g] * corr[g] + sum_t s[g][t] * v_t: up to four heads' 16 elements of D held
+ * in registers across the tile's rows. */
 INLINE void accum_tile_c(float *acc, const float *corr, const void *const *vrows, int nt,
-                         int G, int D, int dt, const float *s, float *buf, ptrdiff_t pf)
+                         int G, int D, int dt, const float *s, ptrdiff_t pf)
 {
-    for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d++)
-            acc[g * D + d] *= corr[g];
-    for (int t = 0; t < nt; t++) {
+    for (int t = 0; t < nt; t++)
         prefetch_row(vrows[t], pf, D * (dt == DT_F32 ? 4 : 2));
-        const float *vr = row_f32(vrows[t], D, dt, buf);
-        for (int g = 0; g < G; g++) {
-            const float p = s[g * TILE + t];
-            float *restrict ag = acc + g * D;
-            for (int d = 0; d < D; d++)
-                ag[d] += p * vr[d];
+    const int D16 = D & ~15;
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int ng = G - g0 < 4 ? G - g0 : 4;
+        for (int d = 0; d < D16; d += 16) {
+            vf8 o[4][2];
+            for (int i = 0; i < ng; i++) {
+                o[i][0] = load8(acc + (g0 + i) * D + d) * corr[g0 + i];
+                o[i][1] = load8(acc + (g0 + i) * D + d + 8) * corr[g0 + i];
+            }
+            for (int t = 0; t < nt; t++) {
+                const vf8 v0 = load8_dt(vrows[t], d, dt), v1 = load8_dt(vrows[t], d + 8, dt);
+                for (int i = 0; i < ng; i++) {
+                    const float p = s[(g0 + i) * TILE + t];
+                    o[i][0] += p * v0;
+                    o[i][1] += p * v1;
+                }
+            }
+            for (int i = 0; i < ng; i++) {
+                store8(acc + (g0 + i) * D + d, o[i][0]);
+                store8(acc + (g0 + i) * D + d + 8, o[i][1]);
+            }
+        }
+        for (int i = 0; i < ng; i++) { /* the last D % 16 elements */
+            float *ag = acc + (g0 + i) * D;
+            for (int d = D16; d < D; d++) {
+                float x = ag[d] * corr[g0 + i];
+                for (int t = 0; t < nt; t++)
+                    x += s[(g0 + i) * TILE + t]
+                         * (dt == DT_F32 ? ((const float *)vrows[t])[d]
+                                         : bf16_to_f32(((const uint16_t *)vrows[t])[d]));
+                ag[d] = x;
+            }
         }
     }
 }
@@ -416,7 +446,7 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
     const int G = a->Hq / a->Hkv, HG = a->hg, Hkv = a->Hkv, bs = a->bs;
     const size_t esize = dt == DT_F32 ? 4 : 2, row_stride = (size_t)Hkv * D * esize;
     float *qf = scratch, *acc = qf + HG * G * D, *s = acc + HG * G * D, *m = s + G * TILE;
-    float *l = m + HG * G, *corr = l + HG * G, *kbuf = corr + HG * G, *vbuf = kbuf + D;
+    float *l = m + HG * G, *corr = l + HG * G;
     const void *krows[TILE], *vrows[TILE];
     /* exp2 of log2(e)-scaled scores: one multiply folded into q instead of one per key */
     const float qscale = a->scale * 1.4426950408889634f;
@@ -479,9 +509,9 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
                 } else
 #endif
                 {
-                    score_tile_c(qh, krows, nt, G, D, dt, s, kbuf, pf);
+                    score_tile_c(qh, krows, nt, G, D, dt, s, pf);
                     softmax_tile(s, nt, G, first, mh, lh, ch);
-                    accum_tile_c(ah, ch, vrows, nt, G, D, dt, s, vbuf, pf);
+                    accum_tile_c(ah, ch, vrows, nt, G, D, dt, s, pf);
                 }
             }
             first = 0;

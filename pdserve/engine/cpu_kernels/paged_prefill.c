@@ -252,37 +252,60 @@ static size_t scratch_floats(const struct pf_args *a)
     return 2 * R * D + R * BK + 2 * D * BK + 2 * R;
 }
 
-/* The portable path (no AVX-512): rows one at a time. */
-
-/* S[r][j] = Qs[r] . K[j] for rows 0..rp-1; Kt is K transposed, [D][BK]. */
+/* The portable path (no AVX-512): a few rows at a time against a transposed K tile.
+ * Eight-float vectors (common.h's vf8) hold the accumulators:
+ * written as arrays indexed in the inner loop, gcc kept them on the stack and every FMA
+ * went through a store and a load (the AVX2 build, one thread, 512 tokens of SmolLM2's
+ * shape: 18.6 ms a layer, 16 GFLOP/s; docs/benchmarks.md section 6, session 18). */
+/* S[r][j] = Qs[r] . K[j] for rows 0..rp-1 (rp even); Kt is K transposed, [D][BK]: two
+ * rows at a time against each column of K, BK / 8 vectors a row. */
 static void scores(const float *restrict Qs, const float *restrict Kt, float *restrict S,
                    int rp, int D)
 {
-    for (int r = 0; r < rp; r++) {
-        float acc[BK] = {0};
+    for (int r = 0; r < rp; r += 2) {
+        vf8 a0[BK / 8] = {0}, a1[BK / 8] = {0};
+        const float *q0 = Qs + (int64_t)r * D, *q1 = q0 + D;
         for (int d = 0; d < D; d++) {
-            const float b = Qs[(int64_t)r * D + d];
-#pragma omp simd
-            for (int j = 0; j < BK; j++)
-                acc[j] += b * Kt[d * BK + j];
+            const float b0 = q0[d], b1 = q1[d];
+            for (int j = 0; j < BK / 8; j++) {
+                const vf8 k = load8(Kt + d * BK + 8 * j);
+                a0[j] += b0 * k;
+                a1[j] += b1 * k;
+            }
         }
-        memcpy(S + r * BK, acc, sizeof acc);
+        for (int j = 0; j < BK / 8; j++) {
+            store8(S + r * BK + 8 * j, a0[j]);
+            store8(S + (r + 1) * BK + 8 * j, a1[j]);
+        }
     }
 }
 
-/* O[r] += sum_j P[r][j] * V[j] for rows 0..rp-1; V is [BK][D]. */
+/* O[r] += sum_j P[r][j] * V[j] for rows 0..rp-1 (rp a multiple of 4); V is [BK][D], D a
+ * multiple of 16: four rows and 16 elements of D at a time stay in registers over the
+ * tile's keys. */
 static void accumulate(const float *restrict P, const float *restrict Vs, float *restrict O,
                        int rp, int D)
 {
-    for (int r = 0; r < rp; r++) {
-        float *o = O + (int64_t)r * D;
-        for (int j = 0; j < BK; j++) {
-            const float p = P[r * BK + j];
-#pragma omp simd
-            for (int d = 0; d < D; d++)
-                o[d] += p * Vs[j * D + d];
+    for (int r = 0; r < rp; r += 4)
+        for (int d = 0; d < D; d += 16) {
+            vf8 o[4][2];
+            for (int i = 0; i < 4; i++) {
+                o[i][0] = load8(O + (int64_t)(r + i) * D + d);
+                o[i][1] = load8(O + (int64_t)(r + i) * D + d + 8);
+            }
+            for (int j = 0; j < BK; j++) {
+                const vf8 v0 = load8(Vs + j * D + d), v1 = load8(Vs + j * D + d + 8);
+                for (int i = 0; i < 4; i++) {
+                    const float p = P[(r + i) * BK + j];
+                    o[i][0] += p * v0;
+                    o[i][1] += p * v1;
+                }
+            }
+            for (int i = 0; i < 4; i++) {
+                store8(O + (int64_t)(r + i) * D + d, o[i][0]);
+                store8(O + (int64_t)(r + i) * D + d + 8, o[i][1]);
+            }
         }
-    }
 }
 
 static void pf_item(const struct pf_args *a, int p, int h, int tile, float *scr)
