@@ -85,7 +85,16 @@ logits[1, 4000] = logits[1].max()  # a tie: the first index wins
 logits[2, 17] = float("nan")
 assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 from pdserve.engine.cpu_kernels.amx_linear import amx_available
-assert not amx_available()  # the stubs: no tiles in an x86-64-v2 build
+assert not amx_available()  # the stubs: no tiles in an x86-64-v2 or v3 build
+import os
+from pdserve.engine.cpu_kernels.f32_panels import f32_pack, f32_panels_linear, panels_available
+assert panels_available() == (os.environ["PDSERVE_KERNEL_MARCH"] == "x86-64-v3")  # AVX2 + FMA
+if panels_available():
+    w = torch.randn(64, 96, generator=gen)
+    for m in (5, 13, 16, 64):  # row blocks of 6 and fewer
+        xs = torch.randn(m, 96, generator=gen)
+        torch.testing.assert_close(f32_panels_linear(xs, f32_pack(w), 64), xs @ w.T,
+                                   atol=1e-4, rtol=1e-5)
 print(library_path())
 """
 

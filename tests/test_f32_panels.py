@@ -11,7 +11,7 @@ import torch
 from pdserve.engine.cpu_kernels.f32_panels import f32_pack, f32_panels_linear, panels_available
 from pdserve.engine.layers.linear import BATCH_MAX_ROWS, GEMV_MAX_ROWS, cpu_linear
 
-pytestmark = pytest.mark.skipif(not panels_available(), reason="no AVX-512 kernel in this build")
+pytestmark = pytest.mark.skipif(not panels_available(), reason="no panels kernel in this build")
 
 
 def _f32(*shape, seed):

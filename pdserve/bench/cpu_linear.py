@@ -13,7 +13,7 @@ x); the crossover is where the C GEMV stops winning
 (pdserve.engine.layers.linear.GEMV_MAX_ROWS). The int8 rows time the int8 GEMV
 (`pdserve::gemv_linear_int8`, bfloat16 x) against oneDNN on the de-quantized bfloat16
 weights, what `--quantization int8` runs at those sizes. The float32 and bfloat16 rows also
-time the batched kernel over packed copies where the build and CPU have it (AVX-512 panels,
+time the batched kernel over packed copies where the build and CPU have it (AVX-512 or AVX2 panels,
 `pdserve::f32_panels_linear`; AMX tiles, `pdserve::amx_linear`: what the engine runs from
 GEMV_MAX_ROWS + 1 to BATCH_MAX_ROWS rows), its speedup over oneDNN last.
 """

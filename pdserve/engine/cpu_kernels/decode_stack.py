@@ -3,7 +3,7 @@ step in one C call (the model's layer loop, kernel for kernel, without a Python 
 per kernel; over the int8 projections where the model is quantized). Up to GEMV_MAX_ROWS
 rows the projections stream the weights (the GEMV); batches up to BATCH_MAX_ROWS run over
 the packed copies the layer loop also uses for them (`linear.batch_packed`: AMX tiles for
-bfloat16, AVX-512 panels for float32) where the machine and build have those kernels.
+bfloat16, AVX-512 or AVX2 panels for float32) where the machine and build have those kernels.
 
 Life cycle: built once per (model, KV cache) by the model, which checks there every
 weight's shape, dtype and layout and the cache's; `run` then checks only what changes per

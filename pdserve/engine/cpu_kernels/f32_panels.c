@@ -1,5 +1,6 @@
-/* float32 x @ W^T for batched decode rows (5-64) on AVX-512 FMA: the float32 counterpart of
- * amx_linear.c, for the layer loop and the decode stack's batched form.
+/* float32 x @ W^T for batched decode rows (5-64) on AVX-512 FMA, or AVX2 with FMA (the
+ * its own section): the float32 counterpart of amx_linear.c, for the layer loop and the
+ * decode stack's batched form.
  *
  * W [N, K] is packed once (fp_pack) into panels of 32 output columns, k-major:
  * [N / 32][K][32]. For a block of up to 12 rows of x and one panel, every k loads the
@@ -24,10 +25,11 @@
 #define ROWS 12  /* rows of x per block: 24 accumulators of the 32 vector registers */
 #define PREFETCH_AHEAD 16384 /* bytes of a panel's stream asked into L2 ahead (panel_rows) */
 
-/* 1 when this build has the AVX-512 kernel, else 0 (fp_blocks and fp_linear do nothing). */
+/* 1 when this build has a kernel (AVX-512, or AVX2 with FMA), else 0 (fp_blocks and
+ * fp_linear do nothing). */
 int fp_available(void)
 {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;
@@ -98,6 +100,63 @@ static void rest_rows(const float *x, int64_t x_stride, const float *panel, int6
 #undef CASE
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* AVX2 has 16 vector registers: a block is half a panel (16 columns, two 32-byte vectors)
+ * by up to HALF_ROWS rows, 12 accumulators; per k, 2 loads and 6 broadcasts feed 12 FMAs.
+ * The same panels and the same chain per output over k in order as the AVX-512 kernel, so
+ * both give the same bits. No software prefetch: on Zen 3 every hint fills L1, and the
+ * GEMV's prefetches there cost 1.08-1.17x (gemv.c). On two Zen 3 cores, against oneDNN's
+ * matmul on its blocked copy (`python -m pdserve.bench.cpu_linear`): 1.08-1.17x at 12-64
+ * rows; a whole float32 decode step in the decode stack's batched form 0.93x the layer
+ * loop's on oneDNN at 16 rows, 0.88x at 64 (docs/benchmarks.md section 6, session 18). */
+#define HALF_ROWS 6
+
+INLINE void half_rows(const float *x, int64_t x_stride, const float *half, int64_t K, float *y,
+                      int64_t y_stride, const int R)
+{
+    __m256 lo[HALF_ROWS], hi[HALF_ROWS];
+    for (int r = 0; r < R; r++) {
+        lo[r] = _mm256_setzero_ps();
+        hi[r] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_loadu_ps(half + k * PANEL);
+        const __m256 w1 = _mm256_loadu_ps(half + k * PANEL + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
+            lo[r] = _mm256_fmadd_ps(a, w0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(a, w1, hi[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(y + r * y_stride, lo[r]);
+        _mm256_storeu_ps(y + r * y_stride + 8, hi[r]);
+    }
+}
+
+/* Every row of x over one half panel, in blocks as even as HALF_ROWS allows (16 rows as
+ * 6 + 5 + 5, not 6 + 6 + 4); R a constant in each call, so the loops unroll. */
+static void half_panel(const float *x, int64_t x_stride, int64_t M, const float *half,
+                       int64_t K, float *y, int64_t y_stride)
+{
+    const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS;
+    for (int64_t b = 0, m = 0; b < blocks; b++) {
+        const int64_t R = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
+        const float *xr = x + m * x_stride;
+        float *yr = y + m * y_stride;
+        switch (R) {
+        case 1: half_rows(xr, x_stride, half, K, yr, y_stride, 1); break;
+        case 2: half_rows(xr, x_stride, half, K, yr, y_stride, 2); break;
+        case 3: half_rows(xr, x_stride, half, K, yr, y_stride, 3); break;
+        case 4: half_rows(xr, x_stride, half, K, yr, y_stride, 4); break;
+        case 5: half_rows(xr, x_stride, half, K, yr, y_stride, 5); break;
+        default: half_rows(xr, x_stride, half, K, yr, y_stride, HALF_ROWS); break;
+        }
+        m += R;
+    }
+}
 #endif
 
 /* Output columns [32 * p0, 32 * p1) of y [M, N] (row stride y_stride) = x [M, K] (row
@@ -121,6 +180,11 @@ void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed,
             rest_rows(x + m * x_stride, x_stride, panel, K, y + m * y_stride + p * PANEL,
                       y_stride, (int)(M - m), m == 0);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (int64_t p = p0; p < p1; p++)
+        for (int h = 0; h < PANEL; h += 16)
+            half_panel(x, x_stride, M, packed + p * K * PANEL + h, K, y + p * PANEL + h,
+                       y_stride);
 #else
     (void)x, (void)x_stride, (void)M, (void)packed, (void)K, (void)y, (void)y_stride, (void)p0,
         (void)p1;

@@ -1,7 +1,7 @@
 """The Python side of f32_panels.c: `pdserve::f32_pack` (a float32 weight [N, K] into
 panels of 32 columns, once) and `pdserve::f32_panels_linear` (x @ W^T over them for
-batched decode steps), plus `panels_available()`: whether this build has the AVX-512
-kernel. The float32 counterpart of amx_linear.py, between the GEMV's few rows and oneDNN's
+batched decode steps), plus `panels_available()`: whether this build has the kernel
+(AVX-512, or AVX2 with FMA). The float32 counterpart of amx_linear.py, between the GEMV's few rows and oneDNN's
 large ones; tested against F.linear.
 
 The ops check devices, dtypes, shapes and strides before the ctypes call, so nothing
@@ -22,7 +22,7 @@ PANEL = 32  # a weight's N must divide by 32
 
 @functools.cache
 def panels_available() -> bool:
-    """True when the library was built with the AVX-512 kernel."""
+    """True when the library was built with a kernel (AVX-512, or AVX2 with FMA)."""
     return bool(load().fp_available())
 
 
@@ -63,7 +63,7 @@ def f32_panels_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Te
     if x.shape[0]:
         if load().fp_linear(x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), n,
                             x.shape[1], out.data_ptr(), torch.get_num_threads()):
-            raise RuntimeError("f32_panels_linear: this build lacks the AVX-512 kernel")
+            raise RuntimeError("f32_panels_linear: this build lacks the kernel")
     return out
 
 

@@ -1,6 +1,6 @@
 """The argument checks shared by the projections over a packed copy of each weight (AMX
-tiles for bfloat16, amx_linear.py; AVX-512 panels for float32, f32_panels.py): what a
-weight must be to be packed, and what x and the packed copy must be for a product, so that
+tiles for bfloat16, amx_linear.py; AVX-512 or AVX2 panels for float32, f32_panels.py): what
+a weight must be to be packed, and what x and the packed copy must be for a product, so that
 nothing reaches C that could read or write outside the tensors given."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """x @ W.T for the model's projections: F.linear, oneDNN's matmul, or on the CPU the C
 kernels for decode steps: the GEMV for a few rows, and for batches the AMX tiles (bfloat16)
-or AVX-512 panels (float32) over a packed copy of each weight."""
+or AVX-512 or AVX2 panels (float32) over a packed copy of each weight."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ GEMV_MAX_ROWS = 4
 # From there up to this many rows a projection runs on its packed copy (`batch_packed`)
 # where the CPU takes it: bfloat16 on AMX tiles (pdserve::amx_linear, 1.2-1.6x oneDNN's
 # matmul over a whole step's projections at 8-64 rows; at 128 rows and more oneDNN's
-# blocking wins), float32 on AVX-512 panels (pdserve::f32_panels_linear, as fast as
-# oneDNN there and one kernel with the decode stack's batched form) (docs/benchmarks.md
-# section 6).
+# blocking wins), float32 on AVX-512 or AVX2 panels (pdserve::f32_panels_linear, as fast
+# as oneDNN there on a Xeon, 1.08-1.17x on a Zen 3, and one kernel with the decode stack's
+# batched form) (docs/benchmarks.md section 6).
 BATCH_MAX_ROWS = 64
 # oneDNN's blocked copy of a weight is made for a batch size, but serves any (measured:
 # a copy made for M rows ran M + 7 rows as fast); 128 is between a decode batch and a
@@ -103,7 +103,7 @@ def cpu_linear() -> Linear:
 
 
 def packed_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """x @ W.T over `batch_packed(weight)`: AMX tiles for bfloat16, AVX-512 panels for
+    """x @ W.T over `batch_packed(weight)`: AMX tiles for bfloat16, AVX-512 or AVX2 panels for
     float32; None where the weight has no packed copy (its dtype, its shape, or this
     CPU or build lacks the kernel)."""
     from pdserve.engine.cpu_kernels.amx_linear import amx_linear
@@ -126,7 +126,7 @@ _packs: dict[int, torch.Tensor | None] = {}
 
 def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a weight the batched kernels read (a bfloat16 weight in the AMX
-    tiles' layout where the CPU has them, a float32 one in AVX-512 panels where the build
+    tiles' layout where the CPU has them, a float32 one in AVX-512 or AVX2 panels where the build
     has them), made at its first use and kept while the weight lives (like oneDNN's blocked
     copy: one more copy of the projections in memory), shared by the layer loop and the
     decode stack; None when no kernel here takes it."""
