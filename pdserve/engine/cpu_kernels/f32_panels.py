@@ -1,8 +1,8 @@
 """The Python side of f32_panels.c: `pdserve::f32_pack` (a float32 weight [N, K] into
 panels of 32 columns, once) and `pdserve::f32_panels_linear` (x @ W^T over them for
 batched decode steps), plus `panels_available()`: whether this build has the kernel
-(AVX-512, or AVX2 with FMA). The float32 counterpart of amx_linear.py, between the GEMV's few rows and oneDNN's
-large ones; tested against F.linear.
+(AVX-512, or AVX2 with FMA). The float32 counterpart of amx_linear.py, between the GEMV's
+few rows and oneDNN's large ones; tested against F.linear.
 
 The ops check devices, dtypes, shapes and strides before the ctypes call, so nothing
 reaches C that could read or write outside the tensors given.
