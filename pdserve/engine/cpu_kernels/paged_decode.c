@@ -74,9 +74,11 @@ INLINE void prefetch_row(const void *row, ptrdiff_t pf, const int bytes)
 /* ---- portable tile steps: any D, any dtype, in eight-float vectors (common.h) ---- */
 
 /* s[g][t] = q_g . k_t. Two chains of eight lanes per dot product; a bfloat16 row is
- * widened in registers. Written as plain loops, gcc kept one chain and a multiply and an
- * add apart, and accum_tile_c's accumulators in memory: 64 rows x 256 keys of SmolLM2's
- * heads took 3.0-3.5 ms on one AVX2 core (docs/benchmarks.md section 6, session 18). */
+ * widened in registers, not into a buffer. Written as plain loops, gcc kept one chain with
+ * a multiply and an add apart, and accum_tile_c's accumulators in memory. 64 rows x 256
+ * keys of SmolLM2's heads on AVX2 (Zen 3), against those loops: bfloat16 0.85x on one core
+ * and on two; float32, which waits on the cache's reads, 0.95x on two cores and the same
+ * on one (docs/benchmarks.md section 6, session 18). */
 INLINE void score_tile_c(const float *qf, const void *const *krows, int nt, int G, int D,
                          int dt, float *s, ptrdiff_t pf)
 {
