@@ -260,8 +260,81 @@ DEFINE_DOT8(6, 1)
 DEFINE_DOT8(7, 1)
 DEFINE_DOT8(8, 1)
 
+/* bfloat16 weights, 16 at a time: a 32-byte load holds them in pairs, so a shift by 16
+ * gives the even ones as float32 and an AND the odd ones, against x widened in the same
+ * split order (gv_widen, X_SPLIT16): one load, a shift and an AND for 16 weights, where
+ * load8_w takes two loads, two widenings and two shifts. E accumulators per row of x (the
+ * even and the odd products apart, or together), U blocks of 16 a pass; the last K % 16,
+ * left in order by gv_widen, in scalar code. A bfloat16 decode step against load8_w's
+ * (step_ab.py, Zen 3): 0.983-0.989 at 1 row, 0.930 at 4 (docs/benchmarks.md section 6,
+ * session 18). */
+#define X_SPLIT16 1
+#define DEFINE_DOT16_BF16(NB, E, U)                                                           \
+    static void dot16_bf16_##NB(const uint16_t *w, const float *x, int64_t K, float *out)    \
+    {                                                                                         \
+        const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);                              \
+        __m256 acc[NB][E * U];                                                                \
+        for (int b = 0; b < NB; b++)                                                          \
+            for (int u = 0; u < E * U; u++)                                                   \
+                acc[b][u] = _mm256_setzero_ps();                                              \
+        const int64_t K16 = K & ~(int64_t)15;                                                 \
+        int64_t k = 0;                                                                        \
+        for (; k + 16 * U <= K16; k += 16 * U)                                                \
+            for (int u = 0; u < U; u++) {                                                     \
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k + 16 * u));     \
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));             \
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, odd));             \
+                for (int b = 0; b < NB; b++) {                                                \
+                    const float *xb = x + b * K + k + 16 * u;                                 \
+                    acc[b][E * u] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xb), acc[b][E * u]);  \
+                    acc[b][E * u + E - 1] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xb + 8),      \
+                                                            acc[b][E * u + E - 1]);           \
+                }                                                                             \
+            }                                                                                 \
+        for (; k < K16; k += 16) {                                                            \
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));                  \
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));                 \
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, odd));                 \
+            for (int b = 0; b < NB; b++) {                                                    \
+                acc[b][0] = _mm256_fmadd_ps(we, _mm256_loadu_ps(x + b * K + k), acc[b][0]);   \
+                acc[b][0] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(x + b * K + k + 8),           \
+                                            acc[b][0]);                                       \
+            }                                                                                 \
+        }                                                                                     \
+        for (int b = 0; b < NB; b++) {                                                        \
+            for (int u = 1; u < E * U; u++)                                                   \
+                acc[b][0] = _mm256_add_ps(acc[b][0], acc[b][u]);                              \
+            float s = hsum8(acc[b][0]);                                                       \
+            for (int64_t j = K16; j < K; j++)                                                 \
+                s += bf16_to_f32(w[j]) * x[b * K + j];                                        \
+            out[b] = s;                                                                       \
+        }                                                                                     \
+    }
+DEFINE_DOT16_BF16(1, 2, 2)
+DEFINE_DOT16_BF16(2, 2, 1)
+DEFINE_DOT16_BF16(3, 2, 1)
+DEFINE_DOT16_BF16(4, 2, 1)
+DEFINE_DOT16_BF16(5, 1, 1)
+DEFINE_DOT16_BF16(6, 1, 1)
+DEFINE_DOT16_BF16(7, 1, 1)
+DEFINE_DOT16_BF16(8, 1, 1)
+
 static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, float out[XB])
 {
+    if (dt == DT_BF16) {
+        const uint16_t *wh = (const uint16_t *)w;
+        switch (nb) {
+        case 1: dot16_bf16_1(wh, x, K, out); break;
+        case 2: dot16_bf16_2(wh, x, K, out); break;
+        case 3: dot16_bf16_3(wh, x, K, out); break;
+        case 4: dot16_bf16_4(wh, x, K, out); break;
+        case 5: dot16_bf16_5(wh, x, K, out); break;
+        case 6: dot16_bf16_6(wh, x, K, out); break;
+        case 7: dot16_bf16_7(wh, x, K, out); break;
+        default: dot16_bf16_8(wh, x, K, out); break;
+        }
+        return;
+    }
     switch (nb) {
     case 1: dot_row_1(w, x, K, dt, out); break;
     case 2: dot_row_2(w, x, K, dt, out); break;
@@ -555,7 +628,8 @@ void gv_rows(const float *xf, const void *w, const float *scales, void *y, int64
 }
 
 /* x [M, K] (row stride x_stride, dtype dt) prepared in xf (gv_xbuf_bytes(M, K, q8)) for
- * the dot products: widened to float32, kept in bfloat16 where the bf16 dot products take
+ * the dot products: widened to float32 (a bfloat16 x in split order per 16 where the AVX2
+ * dot products read it so, X_SPLIT16), kept in bfloat16 where the bf16 dot products take
  * it (X_BF16), or quantized for int8 weights (q8: struct q8x). */
 void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, int dt, int q8)
 {
@@ -573,12 +647,21 @@ void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, 
 #endif
         if (dt == DT_F32) {
             memcpy(xf + b * K, (const float *)x + b * x_stride, (size_t)K * sizeof(float));
-        } else {
-            const uint16_t *s = (const uint16_t *)x + b * x_stride;
-#pragma omp simd
-            for (int64_t k = 0; k < K; k++)
-                xf[b * K + k] = bf16_to_f32(s[k]);
+            continue;
         }
+        const uint16_t *s = (const uint16_t *)x + b * x_stride;
+        float *d = xf + b * K;
+        int64_t k = 0;
+#ifdef X_SPLIT16
+        for (; k + 16 <= K; k += 16) /* per 16: the 8 even elements, then the 8 odd */
+            for (int i = 0; i < 8; i++) {
+                d[k + i] = bf16_to_f32(s[k + 2 * i]);
+                d[k + 8 + i] = bf16_to_f32(s[k + 2 * i + 1]);
+            }
+#endif
+#pragma omp simd
+        for (int64_t j = k; j < K; j++)
+            d[j] = bf16_to_f32(s[j]);
     }
 }
 
