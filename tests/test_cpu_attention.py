@@ -5,6 +5,9 @@ parity."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -344,6 +347,20 @@ def test_build_cache_location_and_failure(monkeypatch, tmp_path):
     with pytest.raises(KernelBuildError, match="could not build"):
         build.build()
     assert not any((tmp_path / "k").iterdir())  # no temp file left behind
+
+
+def test_a_failed_build_says_why_in_one_line(tmp_path):
+    # the real compiler, given a target it does not know: the one-line message that
+    # `make` and the server's warning print must carry the compiler's own error
+    env = dict(os.environ, PDSERVE_KERNEL_CACHE=str(tmp_path / "k"),
+               PDSERVE_KERNEL_MARCH="no-such-cpu")
+    r = subprocess.run([sys.executable, "-m", "pdserve.engine.cpu_kernels.build"], env=env,
+                       capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 1
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("pdserve: CPU kernels not built:")
+    assert "error" in line and "no-such-cpu" in line
 
 
 # bfloat16 KV cache under the float32 model: the kernels' mixed-dtype paths

@@ -105,7 +105,12 @@ def build() -> pathlib.Path:
         r = subprocess.run([cc, *cflags(), *map(str, SOURCES), "-o", tmp, *LIBS],
                            capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
-            raise KernelBuildError(f"{cc} failed to build the CPU kernels:\n{r.stderr.strip()}")
+            lines = r.stderr.strip().splitlines()
+            # the first line says what went wrong (the one-line summaries print only it)
+            first = next((ln for ln in lines if "error" in ln), lines[-1] if lines else
+                         f"exit code {r.returncode}")
+            raise KernelBuildError(f"{cc} failed to build the CPU kernels: {first.strip()}\n"
+                                   + "\n".join(lines))
         os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache must be loadable
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
