@@ -200,13 +200,14 @@ static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, fl
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 (AMD's Zen 2 and 3, Intel before AVX-512): the same dot products, 8 weights a
- * vector, without the software prefetch. The portable loop below computes one row of x
- * at a time, re-reading the weight row per row of x, with one chain of adds: on two Zen 3
- * cores a decode step of SmolLM2-135M takes 0.76x its time at 4 rows in float32, 0.70x in
- * bfloat16, and the same at 1 row (1.00-1.03x, where both read the weights at ~26 GB/s of
- * the ~31 the memory gives). The AVX-512 section's prefetches into L1 4 and 16 KiB ahead
- * made that step 1.17x slower here, one 2 KiB ahead 1.08x: Zen 3 fills L1 for every hint
- * (docs/benchmarks.md section 6, session 18). */
+ * vector. The portable loop below computes one row of x at a time, re-reading the weight
+ * row per row of x, with one chain of adds. Against it, a float32 decode step of
+ * SmolLM2-135M on two Zen 3 cores: 0.76x at 4 rows, the same at 1 row (1.00-1.03x; both
+ * read the weights at ~26 GB/s of the ~31 the memory gives). The AVX-512 section's
+ * prefetches (into L1 4 and 16 KiB ahead) made that step 1.17x slower here, one 2 KiB
+ * ahead 1.08x, 1 KiB 1.00x: float32 takes none. bfloat16 and int8, more work per byte,
+ * gain from one 1-2 KiB ahead (BF16_PREFETCH_AHEAD; docs/benchmarks.md section 6,
+ * session 18). */
 INLINE __m256 load8_w(const void *w, int64_t k, int dt)
 {
     if (dt == DT_F32)
@@ -269,6 +270,14 @@ DEFINE_DOT8(8, 1)
  * (step_ab.py, Zen 3): 0.983-0.989 at 1 row, 0.930 at 4 (docs/benchmarks.md section 6,
  * session 18). */
 #define X_SPLIT16 1
+/* How far ahead the bfloat16 and int8 dot products ask for their weights (into L1, one hint
+ * per 64 bytes). These do more work per byte than float32's, and without the hint a core
+ * kept fewer loads to memory in flight: one core's GEMV read float32 weights at 16.3 GB/s,
+ * bfloat16 at 13.9, int8 at 11.4. A decode step at 1 row against none (step_ab.py, Zen 3):
+ * bfloat16 0.913-0.925 at 1 KiB ahead (512 B and 2 KiB: 1.06x and 1.05x that), int8
+ * 0.89-0.905 at 1 KiB and 0.948x that at 2 KiB (4 KiB: 1.06-1.07x 2 KiB's). float32 gained
+ * nothing at 1 KiB (1.00) and lost at 2 KiB and more (see above). */
+#define BF16_PREFETCH_AHEAD 1024
 #define DEFINE_DOT16_BF16(NB, E, U)                                                           \
     static void dot16_bf16_##NB(const uint16_t *w, const float *x, int64_t K, float *out)    \
     {                                                                                         \
@@ -281,6 +290,9 @@ DEFINE_DOT8(8, 1)
         int64_t k = 0;                                                                        \
         for (; k + 16 * U <= K16; k += 16 * U)                                                \
             for (int u = 0; u < U; u++) {                                                     \
+                if (!(u & 1)) /* one hint per 64 bytes */                                     \
+                    _mm_prefetch((const char *)(w + k + 16 * u) + BF16_PREFETCH_AHEAD,        \
+                                 _MM_HINT_T0);                                                \
                 const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k + 16 * u));     \
                 const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));             \
                 const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, odd));             \
@@ -499,6 +511,7 @@ DEFINE_DOT_Q8(8)
  * +-127): a pair is at most 2 * 128 * 127 = 32512, no saturation, and the sums stay exact;
  * vpmaddwd then adds pairs of those into int32. |w| is taken once per group for every row
  * of x. A group past K is read from a zero-padded copy (the row ends there). */
+#define Q8_PREFETCH_AHEAD 2048 /* as BF16_PREFETCH_AHEAD, measured for int8 */
 INLINE __m256i q8_dot32(__m256i aw, __m256i w, const int8_t *xq)
 {
     const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
@@ -522,6 +535,7 @@ INLINE __m256i q8_dot32(__m256i aw, __m256i w, const int8_t *xq)
                 memcpy(pad, wg, (size_t)(K - g * Q8_GROUP));                                  \
                 wg = pad;                                                                     \
             }                                                                                 \
+            _mm_prefetch((const char *)wg + Q8_PREFETCH_AHEAD, _MM_HINT_T0);                  \
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);                       \
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));                \
             const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);       \
