@@ -267,3 +267,26 @@ def test_process_tree_and_its_rss():
         child.wait()
         child.stdout.close()
     assert rss_bytes([child.pid]) == 0  # gone: nothing counted
+
+
+def test_hf_step_saves_the_default_model_as_a_plain_llama_directory(tmp_path):
+    # the directory both peers load: transformers' whole config (not the engine's few
+    # fields), no "gguf" quantization left in it, float32 weights equal to the engine's
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from pdserve.bench.peers_build import build_hf
+    from pdserve.engine.model_files import DEFAULT_MODEL, resolve_model
+    from pdserve.engine.model_loader import load_hf_weights
+
+    paths = PeerPaths(tmp_path)
+    build_hf(paths)
+    cfg = AutoConfig.from_pretrained(paths.hf_dir)
+    assert cfg.model_type == "llama" and getattr(cfg, "quantization_config", None) is None
+    assert (paths.hf_dir / "tokenizer.json").exists()
+    saved = load_file(paths.hf_dir / "model.safetensors")
+    _, state = load_hf_weights(resolve_model(DEFAULT_MODEL), show_progress=False)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert saved[name].dtype == torch.float32 and torch.equal(saved[name], state[name])
+    build_hf(paths)  # idempotent: it exists, so nothing is rebuilt

@@ -170,13 +170,20 @@ def build_hf(paths: PeerPaths) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pdserve.engine.model_files import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from pdserve.engine.model_files import (
+        DEFAULT_MODEL,
+        load_config,
+        load_tokenizer,
+        resolve_model,
+    )
     from pdserve.engine.model_loader import load_hf_weights
 
     source = resolve_model(DEFAULT_MODEL)
-    gguf_config, state = load_hf_weights(source)
-    # the weights are dequantized now: a config that still says "gguf" makes vLLM refuse it
-    fields = gguf_config.to_dict()
+    _, state = load_hf_weights(source)
+    # transformers' config, every field of it (the engine's loader returns only the fields
+    # it reads); the weights are dequantized now: a config that still says "gguf" makes
+    # vLLM refuse it
+    fields = load_config(source).to_dict()
     fields.pop("quantization_config", None)
     fields.pop("torch_dtype", None)
     fields["dtype"] = "float32"
