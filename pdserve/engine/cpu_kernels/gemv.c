@@ -126,8 +126,9 @@ DEFINE_DOT(8, 1)
  * U accumulators per row of x, as above. */
 #define X_BF16 1
 #define DEFINE_DOT_BF16(NB, U)                                                                \
-    static void dot_bf16_##NB(const uint16_t *w, const uint16_t *x, int64_t K, float *out)   \
+    static void dot_bf16_##NB(const void *wv_, const void *xv_, int64_t K, float *out)       \
     {                                                                                         \
+        const uint16_t *w = wv_, *x = xv_;                                                    \
         __m512 acc[NB][U];                                                                    \
         for (int b = 0; b < NB; b++)                                                          \
             for (int u = 0; u < U; u++)                                                       \
@@ -163,41 +164,8 @@ DEFINE_DOT_BF16(5, 1)
 DEFINE_DOT_BF16(6, 1)
 DEFINE_DOT_BF16(7, 1)
 DEFINE_DOT_BF16(8, 1)
-
-static void dot_bf16(const void *w, const void *x, int64_t K, int nb, float *out)
-{
-    switch (nb) {
-    case 1: dot_bf16_1(w, x, K, out); break;
-    case 2: dot_bf16_2(w, x, K, out); break;
-    case 3: dot_bf16_3(w, x, K, out); break;
-    case 4: dot_bf16_4(w, x, K, out); break;
-    case 5: dot_bf16_5(w, x, K, out); break;
-    case 6: dot_bf16_6(w, x, K, out); break;
-    case 7: dot_bf16_7(w, x, K, out); break;
-    default: dot_bf16_8(w, x, K, out); break;
-    }
-}
 #endif
 
-static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, float out[XB])
-{
-#ifdef X_BF16
-    if (dt == DT_BF16) { /* x holds bfloat16 here (gv_widen) */
-        dot_bf16(w, x, K, nb, out);
-        return;
-    }
-#endif
-    switch (nb) {
-    case 1: dot_row_1(w, x, K, dt, out); break;
-    case 2: dot_row_2(w, x, K, dt, out); break;
-    case 3: dot_row_3(w, x, K, dt, out); break;
-    case 4: dot_row_4(w, x, K, dt, out); break;
-    case 5: dot_row_5(w, x, K, dt, out); break;
-    case 6: dot_row_6(w, x, K, dt, out); break;
-    case 7: dot_row_7(w, x, K, dt, out); break;
-    default: dot_row_8(w, x, K, dt, out); break;
-    }
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 (AMD's Zen 2 and 3, Intel before AVX-512): the same dot products, 8 weights a
  * vector. The portable loop below computes one row of x at a time, re-reading the weight
@@ -278,9 +246,11 @@ DEFINE_DOT8(8, 1)
  * 0.89-0.905 at 1 KiB and 0.948x that at 2 KiB (4 KiB: 1.06-1.07x 2 KiB's). float32 gained
  * nothing at 1 KiB (1.00) and lost at 2 KiB and more (see above). */
 #define BF16_PREFETCH_AHEAD 1024
-#define DEFINE_DOT16_BF16(NB, E, U)                                                           \
-    static void dot16_bf16_##NB(const uint16_t *w, const float *x, int64_t K, float *out)    \
+#define DEFINE_DOT_BF16_SPLIT(NB, E, U)                                                           \
+    static void dot_bf16_##NB(const void *w_, const void *x_, int64_t K, float *out)         \
     {                                                                                         \
+        const uint16_t *w = w_;                                                               \
+        const float *x = x_;                                                                  \
         const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);                              \
         __m256 acc[NB][E * U];                                                                \
         for (int b = 0; b < NB; b++)                                                          \
@@ -322,31 +292,36 @@ DEFINE_DOT8(8, 1)
             out[b] = s;                                                                       \
         }                                                                                     \
     }
-DEFINE_DOT16_BF16(1, 2, 2)
-DEFINE_DOT16_BF16(2, 2, 1)
-DEFINE_DOT16_BF16(3, 2, 1)
-DEFINE_DOT16_BF16(4, 2, 1)
-DEFINE_DOT16_BF16(5, 1, 1)
-DEFINE_DOT16_BF16(6, 1, 1)
-DEFINE_DOT16_BF16(7, 1, 1)
-DEFINE_DOT16_BF16(8, 1, 1)
+DEFINE_DOT_BF16_SPLIT(1, 2, 2)
+DEFINE_DOT_BF16_SPLIT(2, 2, 1)
+DEFINE_DOT_BF16_SPLIT(3, 2, 1)
+DEFINE_DOT_BF16_SPLIT(4, 2, 1)
+DEFINE_DOT_BF16_SPLIT(5, 1, 1)
+DEFINE_DOT_BF16_SPLIT(6, 1, 1)
+DEFINE_DOT_BF16_SPLIT(7, 1, 1)
+DEFINE_DOT_BF16_SPLIT(8, 1, 1)
+#endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* Either section's dot products by rows of x; bfloat16 weights go to the section's own
+ * (X_BF16: x kept in bfloat16; X_SPLIT16: x in float32, split per 16), where it has them. */
 static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, float out[XB])
 {
+#if defined(X_BF16) || defined(X_SPLIT16)
     if (dt == DT_BF16) {
-        const uint16_t *wh = (const uint16_t *)w;
         switch (nb) {
-        case 1: dot16_bf16_1(wh, x, K, out); break;
-        case 2: dot16_bf16_2(wh, x, K, out); break;
-        case 3: dot16_bf16_3(wh, x, K, out); break;
-        case 4: dot16_bf16_4(wh, x, K, out); break;
-        case 5: dot16_bf16_5(wh, x, K, out); break;
-        case 6: dot16_bf16_6(wh, x, K, out); break;
-        case 7: dot16_bf16_7(wh, x, K, out); break;
-        default: dot16_bf16_8(wh, x, K, out); break;
+        case 1: dot_bf16_1(w, x, K, out); break;
+        case 2: dot_bf16_2(w, x, K, out); break;
+        case 3: dot_bf16_3(w, x, K, out); break;
+        case 4: dot_bf16_4(w, x, K, out); break;
+        case 5: dot_bf16_5(w, x, K, out); break;
+        case 6: dot_bf16_6(w, x, K, out); break;
+        case 7: dot_bf16_7(w, x, K, out); break;
+        default: dot_bf16_8(w, x, K, out); break;
         }
         return;
     }
+#endif
     switch (nb) {
     case 1: dot_row_1(w, x, K, dt, out); break;
     case 2: dot_row_2(w, x, K, dt, out); break;
@@ -497,14 +472,6 @@ static void q8_prepare(const void *x, int64_t x_stride, void *buf, int64_t M, in
         for (int b = 0; b < NB; b++)                                                          \
             out[b] = _mm512_reduce_add_ps(acc[b]);                                            \
     }
-DEFINE_DOT_Q8(1)
-DEFINE_DOT_Q8(2)
-DEFINE_DOT_Q8(3)
-DEFINE_DOT_Q8(4)
-DEFINE_DOT_Q8(5)
-DEFINE_DOT_Q8(6)
-DEFINE_DOT_Q8(7)
-DEFINE_DOT_Q8(8)
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 has no vpdpbusd; vpmaddubsw multiplies unsigned by signed bytes and adds pairs into
  * saturating int16. So |w| (unsigned, at most 128) times xq with w's sign (xq is within
@@ -551,6 +518,9 @@ INLINE __m256i q8_dot32(__m256i aw, __m256i w, const int8_t *xq)
         for (int b = 0; b < NB; b++)                                                          \
             out[b] = hsum8(acc[b]);                                                           \
     }
+#endif
+
+#if defined(__AVX512VNNI__) || (defined(__AVX2__) && defined(__FMA__))
 DEFINE_DOT_Q8(1)
 DEFINE_DOT_Q8(2)
 DEFINE_DOT_Q8(3)
@@ -559,10 +529,6 @@ DEFINE_DOT_Q8(5)
 DEFINE_DOT_Q8(6)
 DEFINE_DOT_Q8(7)
 DEFINE_DOT_Q8(8)
-
-#endif
-
-#if defined(__AVX512VNNI__) || (defined(__AVX2__) && defined(__FMA__))
 static void dot_q8(const int8_t *w, const float *sw, const struct q8x *v, int64_t b0, int nb,
                    int64_t K, float out[XB])
 {
