@@ -253,10 +253,10 @@ static size_t scratch_floats(const struct pf_args *a)
 }
 
 /* The portable path (no AVX-512): a few rows at a time against a transposed K tile.
- * Eight-float vectors (common.h's vf8) hold the accumulators:
- * written as arrays indexed in the inner loop, gcc kept them on the stack and every FMA
- * went through a store and a load (the AVX2 build, one thread, 512 tokens of SmolLM2's
- * shape: 18.6 ms a layer, 16 GFLOP/s; docs/benchmarks.md section 6, session 18). */
+ * Eight-float vectors (common.h's vf8) hold the accumulators. Written as arrays indexed
+ * in the inner loop, gcc kept them on the stack and every FMA went through a store and a
+ * load: the AVX2 build on one thread, 512 tokens of SmolLM2's heads, took 18.8 ms a layer
+ * that way and takes 8.3 now (docs/benchmarks.md section 6, session 18). */
 /* S[r][j] = Qs[r] . K[j] for rows 0..rp-1 (rp even); Kt is K transposed, [D][BK]: two
  * rows at a time against each column of K, BK / 8 vectors a row. */
 static void scores(const float *restrict Qs, const float *restrict Kt, float *restrict S,
