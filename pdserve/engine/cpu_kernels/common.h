@@ -90,9 +90,17 @@ static inline vf8 load8_dt(const void *row, int64_t d, int dt)
     return v;
 }
 
+/* The sum of a vector's 8 floats (an AVX2 __m256 is one too): the halves added, then
+ * their halves, then the last two. */
 static inline float hsum_vf8(vf8 v)
 {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+/* Element i of a float32 or bfloat16 row, as float32 (the scalar tails of the vector loops). */
+static inline float at_dt(const void *row, int64_t i, int dt)
+{
+    return dt == DT_F32 ? ((const float *)row)[i] : bf16_to_f32(((const uint16_t *)row)[i]);
 }
 
 /* glibc's vector exp2f / expf (libmvec: what the `omp simd` loops call under -ffast-math)

@@ -1,6 +1,6 @@
-/* float32 x @ W^T for batched decode rows (5-64) on AVX-512 FMA, or AVX2 with FMA (the
- * its own section): the float32 counterpart of amx_linear.c, for the layer loop and the
- * decode stack's batched form.
+/* float32 x @ W^T for batched decode rows (5-64) on AVX-512 FMA, or on AVX2 with FMA (a
+ * section of its own below): the float32 counterpart of amx_linear.c, for the layer loop
+ * and the decode stack's batched form.
  *
  * W [N, K] is packed once (fp_pack) into panels of 32 output columns, k-major:
  * [N / 32][K][32]. For a block of up to 12 rows of x and one panel, every k loads the

@@ -33,17 +33,6 @@
 #define PARALLEL_MIN_WEIGHTS 65536 /* below this, waking a second thread costs more */
 #define Q8_GROUP 64 /* int8 weights per scale along K (pdserve.engine.layers.int8.GROUP) */
 
-#ifdef __AVX2__
-/* The sum of a vector's 8 floats. */
-INLINE float hsum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
 #ifdef __AVX512F__
 /* The weights PREFETCH_AHEAD bytes past p, into L1: a row ends every 0.6-3 KiB and the
  * next starts where it ended, but the hardware prefetcher alone kept the stream short of
@@ -176,23 +165,13 @@ DEFINE_DOT_BF16(8, 1)
  * ahead 1.08x, 1 KiB 1.00x: float32 takes none. bfloat16 and int8, more work per byte,
  * gain from one 1-2 KiB ahead (BF16_PREFETCH_AHEAD; docs/benchmarks.md section 6,
  * session 18). */
-INLINE __m256 load8_w(const void *w, int64_t k, int dt)
-{
-    if (dt == DT_F32)
-        return _mm256_loadu_ps((const float *)w + k);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-INLINE float w_at(const void *w, int64_t k, int dt)
-{
-    return dt == DT_F32 ? ((const float *)w)[k] : bf16_to_f32(((const uint16_t *)w)[k]);
-}
-
-/* As the AVX-512 DEFINE_DOT: NB rows of x, U chains each; the last K % 8 in scalar code. */
+/* As the AVX-512 DEFINE_DOT, for float32 weights (bfloat16 ones take DEFINE_DOT_BF16_SPLIT's
+ * below): NB rows of x, U chains each; the last K % 8 in scalar code. */
 #define DEFINE_DOT8(NB, U)                                                                    \
-    static void dot_row_##NB(const void *w, const float *x, int64_t K, int dt, float *out)   \
+    static void dot_row_##NB(const void *w_, const float *x, int64_t K, int dt, float *out)  \
     {                                                                                         \
+        const float *w = w_;                                                                  \
+        (void)dt;                                                                             \
         __m256 acc[NB][U];                                                                    \
         for (int b = 0; b < NB; b++)                                                          \
             for (int u = 0; u < U; u++)                                                       \
@@ -200,23 +179,23 @@ INLINE float w_at(const void *w, int64_t k, int dt)
         int64_t k = 0;                                                                        \
         for (; k + 8 * U <= K; k += 8 * U) {                                                  \
             for (int u = 0; u < U; u++) {                                                     \
-                const __m256 wv = load8_w(w, k + 8 * u, dt);                                  \
+                const __m256 wv = _mm256_loadu_ps(w + k + 8 * u);                             \
                 for (int b = 0; b < NB; b++)                                                  \
                     acc[b][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k + 8 * u),   \
                                                 acc[b][u]);                                   \
             }                                                                                 \
         }                                                                                     \
         for (; k + 8 <= K; k += 8) {                                                          \
-            const __m256 wv = load8_w(w, k, dt);                                              \
+            const __m256 wv = _mm256_loadu_ps(w + k);                                         \
             for (int b = 0; b < NB; b++)                                                      \
                 acc[b][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k), acc[b][0]);   \
         }                                                                                     \
         for (int b = 0; b < NB; b++) {                                                        \
             for (int u = 1; u < U; u++)                                                       \
                 acc[b][0] = _mm256_add_ps(acc[b][0], acc[b][u]);                              \
-            float s = hsum8(acc[b][0]);                                                       \
+            float s = hsum_vf8(acc[b][0]);                                                       \
             for (int64_t j = k; j < K; j++)                                                   \
-                s += w_at(w, j, dt) * x[b * K + j];                                           \
+                s += w[j] * x[b * K + j];                                                     \
             out[b] = s;                                                                       \
         }                                                                                     \
     }
@@ -232,11 +211,11 @@ DEFINE_DOT8(8, 1)
 /* bfloat16 weights, 16 at a time: a 32-byte load holds them in pairs, so a shift by 16
  * gives the even ones as float32 and an AND the odd ones, against x widened in the same
  * split order (gv_widen, X_SPLIT16): one load, a shift and an AND for 16 weights, where
- * load8_w takes two loads, two widenings and two shifts. E accumulators per row of x (the
- * even and the odd products apart, or together), U blocks of 16 a pass; the last K % 16,
- * left in order by gv_widen, in scalar code. A bfloat16 decode step against load8_w's
- * (step_ab.py, Zen 3): 0.983-0.989 at 1 row, 0.930 at 4 (docs/benchmarks.md section 6,
- * session 18). */
+ * widening 8 at a time takes two loads, two widenings and two shifts. E accumulators per
+ * row of x (the even and the odd products apart, or together), U blocks of 16 a pass; the
+ * last K % 16, left in order by gv_widen, in scalar code. A bfloat16 decode step against
+ * 8 at a time (step_ab.py, Zen 3): 0.983-0.989 at 1 row, 0.930 at 4 (docs/benchmarks.md
+ * section 6, session 18). */
 #define X_SPLIT16 1
 /* How far ahead the bfloat16 and int8 dot products ask for their weights (into L1, one hint
  * per 64 bytes). These do more work per byte than float32's, and without the hint a core
@@ -246,7 +225,7 @@ DEFINE_DOT8(8, 1)
  * 0.89-0.905 at 1 KiB and 0.948x that at 2 KiB (4 KiB: 1.06-1.07x 2 KiB's). float32 gained
  * nothing at 1 KiB (1.00) and lost at 2 KiB and more (see above). */
 #define BF16_PREFETCH_AHEAD 1024
-#define DEFINE_DOT_BF16_SPLIT(NB, E, U)                                                           \
+#define DEFINE_DOT_BF16_SPLIT(NB, E, U)                                                       \
     static void dot_bf16_##NB(const void *w_, const void *x_, int64_t K, float *out)         \
     {                                                                                         \
         const uint16_t *w = w_;                                                               \
@@ -286,7 +265,7 @@ DEFINE_DOT8(8, 1)
         for (int b = 0; b < NB; b++) {                                                        \
             for (int u = 1; u < E * U; u++)                                                   \
                 acc[b][0] = _mm256_add_ps(acc[b][0], acc[b][u]);                              \
-            float s = hsum8(acc[b][0]);                                                       \
+            float s = hsum_vf8(acc[b][0]);                                                       \
             for (int64_t j = K16; j < K; j++)                                                 \
                 s += bf16_to_f32(w[j]) * x[b * K + j];                                        \
             out[b] = s;                                                                       \
@@ -334,11 +313,6 @@ static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, fl
     }
 }
 #else
-INLINE float w_at(const void *w, int64_t k, int dt)
-{
-    return dt == DT_F32 ? ((const float *)w)[k] : bf16_to_f32(((const uint16_t *)w)[k]);
-}
-
 static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, float out[XB])
 {
     for (int b = 0; b < nb; b++) {
@@ -351,7 +325,7 @@ static void dot_row(const void *w, const float *x, int64_t K, int nb, int dt, fl
         } else {
 #pragma omp simd reduction(+ : s)
             for (int64_t k = 0; k < K; k++)
-                s += w_at(w, k, dt) * x[b * K + k];
+                s += at_dt(w, k, dt) * x[b * K + k];
         }
         out[b] = s;
     }
@@ -407,7 +381,7 @@ static float quantize_group(const void *s, int64_t n, int dt, int8_t *q, int32_t
 {
     float v[Q8_GROUP], amax = 0.f;
     for (int64_t i = 0; i < n; i++) {
-        v[i] = dt == DT_F32 ? ((const float *)s)[i] : bf16_to_f32(((const uint16_t *)s)[i]);
+        v[i] = at_dt(s, i, dt);
         const float a = v[i] < 0 ? -v[i] : v[i];
         amax = a > amax ? a : amax;
     }
@@ -516,7 +490,7 @@ INLINE __m256i q8_dot32(__m256i aw, __m256i w, const int8_t *xq)
             }                                                                                 \
         }                                                                                     \
         for (int b = 0; b < NB; b++)                                                          \
-            out[b] = hsum8(acc[b]);                                                           \
+            out[b] = hsum_vf8(acc[b]);                                                           \
     }
 #endif
 

@@ -100,8 +100,7 @@ INLINE void score_tile_c(const float *qf, const void *const *krows, int nt, int 
             }
             float x = hsum_vf8(a0 + a1);
             for (; d < D; d++)
-                x += qg[d] * (dt == DT_F32 ? ((const float *)kr)[d]
-                                           : bf16_to_f32(((const uint16_t *)kr)[d]));
+                x += qg[d] * at_dt(kr, d, dt);
             s[g * TILE + t] = x;
         }
     }
@@ -141,9 +140,7 @@ INLINE void accum_tile_c(float *acc, const float *corr, const void *const *vrows
             for (int d = D16; d < D; d++) {
                 float x = ag[d] * corr[g0 + i];
                 for (int t = 0; t < nt; t++)
-                    x += s[(g0 + i) * TILE + t]
-                         * (dt == DT_F32 ? ((const float *)vrows[t])[d]
-                                         : bf16_to_f32(((const uint16_t *)vrows[t])[d]));
+                    x += s[(g0 + i) * TILE + t] * at_dt(vrows[t], d, dt);
                 ag[d] = x;
             }
         }
@@ -458,8 +455,7 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
 
     if (!QDP) /* vdpbf16ps scores read the query as given */
         for (int i = 0; i < HG * G * D; i++) {
-            float x = a->q_dt == DT_F32 ? ((const float *)a->q)[q0 + i]
-                                        : bf16_to_f32(((const uint16_t *)a->q)[q0 + i]);
+            const float x = at_dt(a->q, q0 + i, a->q_dt);
             /* D is a multiple of 32 when split, so the order is per 32 of the flat index */
             qf[split ? split_pos(i) : i] = x * qscale;
         }
