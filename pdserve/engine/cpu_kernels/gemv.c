@@ -112,7 +112,18 @@ DEFINE_DOT(8, 1)
 
 #ifdef __AVX512BF16__
 /* bfloat16 x bfloat16 with vdpbf16ps: 32 weights a step, x kept in bfloat16 (X_BF16);
- * U accumulators per row of x, as above. */
+ * U accumulators per row of x, as above.
+ * BF16_PREFETCH(NB): whether a dot over NB rows of x asks for the weights ahead
+ * (prefetch_w). On AMD's Zen 4 (gcc's -march=native names AMD's cores znverN; this gcc
+ * calls Zen 4 znver3 with AVX-512) a batch-1 bfloat16 decode step was faster with the
+ * hardware prefetchers alone, and slower without ours from 2 rows on: this tree against the
+ * one with the prefetch, alternated step by step (docs/benchmarks.md section 6, session
+ * 19): batch 1 0.91-0.92; batch 4 1.24 with no prefetch in any row count. */
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define BF16_PREFETCH(NB) ((NB) > 1)
+#else
+#define BF16_PREFETCH(NB) 1
+#endif
 #define X_BF16 1
 #define DEFINE_DOT_BF16(NB, U)                                                                \
     static void dot_bf16_##NB(const void *wv_, const void *xv_, int64_t K, float *out)       \
@@ -126,7 +137,8 @@ DEFINE_DOT(8, 1)
         for (; k + 32 * U <= K; k += 32 * U)                                                  \
             for (int u = 0; u < U; u++) {                                                     \
                 const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);             \
-                prefetch_w((const char *)(w + k + 32 * u));                                   \
+                if (BF16_PREFETCH(NB))                                                        \
+                    prefetch_w((const char *)(w + k + 32 * u));                               \
                 for (int b = 0; b < NB; b++)                                                  \
                     acc[b][u] = _mm512_dpbf16_ps(                                             \
                         acc[b][u], wv, (__m512bh)_mm512_loadu_si512(x + b * K + k + 32 * u)); \
