@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pdserve.engine.llama as llama
+from pdserve.engine.cpu_kernels import bf16_panels
 from pdserve.engine.cpu_kernels.amx_linear import amx_available
 from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
 from pdserve.engine.cpu_kernels.f32_panels import panels_available
@@ -54,7 +55,9 @@ def test_same_tokens_as_the_layer_loop(tiny_model_dir, dtype, kv_dtype, monkeypa
 
 def _batched_kernel(dtype: str) -> bool:
     """Whether this build and CPU run the stack's batched form for a model of dtype."""
-    return amx_available() if dtype == "bfloat16" else panels_available()
+    if dtype == "bfloat16":
+        return amx_available() or bf16_panels.panels_available()
+    return panels_available()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -113,6 +113,10 @@ void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed,
                float *y, int64_t y_stride, int64_t p0, int64_t p1);
 int fp_available(void);
 #define FP_PANEL 32 /* columns per float32 panel (f32_panels.c's PANEL) */
+void bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
+               int64_t K, uint16_t *y, int64_t y_stride, int64_t p0, int64_t p1);
+int bp_available(void);
+#define BP_PANEL 32 /* columns per bfloat16 panel (bf16_panels.c's PANEL) */
 
 /* Work sharing. Each step of a layer splits its work (output columns, rows, attention's
  * items) into one share per thread, as a fixed split would, and each thread goes through
@@ -227,19 +231,24 @@ static void store_row(void *dst, const void *src, int64_t n, int dt, int kv_dt)
 }
 
 /* The batched form (packed non-NULL): every projection over the packed copies the layer
- * loop also reads for these batches (bfloat16 on AMX tiles, amx_linear.c; float32 on
- * AVX-512 or AVX2 panels, f32_panels.c), in runs of 32 output columns, and every other step in
+ * loop also reads for these batches (bfloat16 on AMX tiles, amx_linear.c, or
+ * AVX512-BF16 panels, bf16_panels.c; float32 on AVX-512 or AVX2 panels, f32_panels.c), in runs of 32 output columns, and every other step in
  * runs too: of rows for the element-wise steps, of work items for attention. The layer
- * loop runs the same kernels for these batches (pdserve::amx_linear or
- * pdserve::f32_panels_linear, the layer ops, the paged decode kernel), each row computed
+ * loop runs the same kernels for these batches (pdserve::amx_linear,
+ * pdserve::bf16_panels_linear or pdserve::f32_panels_linear, the layer ops, the paged decode kernel), each row computed
  * the same way whichever thread takes it, so the result is the loop's bit for bit. Buffers
  * that feed a projection get rows up to the next multiple of 16, zeroed, for the tiles to
  * read. */
 static void packed_share(const struct team *tm, int64_t step, const char *x, int64_t x_stride,
                          int64_t M, const void *packed, int64_t N, int64_t K, char *y, int dt)
 {
-    if (dt == DT_BF16) {
+    if (dt == DT_BF16 && al_available()) { /* the layer loop's order too (linear.py) */
         al_share(tm, step, (const uint16_t *)x, x_stride, M, packed, N, K, (uint16_t *)y);
+        return;
+    }
+    if (dt == DT_BF16) {
+        for (int64_t p0, p1; take(tm, step, N / BP_PANEL, 1, &p0, &p1);)
+            bp_blocks((const uint16_t *)x, x_stride, M, packed, K, (uint16_t *)y, N, p0, p1);
         return;
     }
     for (int64_t p0, p1; take(tm, step, N / FP_PANEL, 1, &p0, &p1);)
@@ -601,7 +610,7 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
  * embeddings in, updated in place); out [M, H] the final norm of the last residual;
  * head: NULL, or the LM head, whose logits are then computed too (struct ds_head);
  * packed: NULL, or 6 per layer likewise, the projections packed for the batched kernels
- * (al_pack for bfloat16, fp_pack for float32): then the batched form above runs.
+ * (al_pack or bp_pack for bfloat16, fp_pack for float32): then the batched form above runs.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
  * failed; -4 a slot outside the cache (nothing written); -5 packed weights given where this
  * build or machine lacks the batched kernel (nothing written). */
@@ -616,7 +625,7 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     for (int64_t b = 0; b < M; b++)
         if (slots[b] < 0 || slots[b] >= num_slots)
             return -4;
-    if (packed && !(m->dt == DT_BF16 ? al_available() : fp_available()))
+    if (packed && !(m->dt == DT_BF16 ? al_available() || bp_available() : fp_available()))
         return -5;
     if (packed)
         return batched_layers(m, weights, packed, final_norm, head, cache, x, out, positions,

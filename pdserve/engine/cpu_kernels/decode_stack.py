@@ -2,8 +2,9 @@
 step in one C call (the model's layer loop, kernel for kernel, without a Python dispatch
 per kernel; over the int8 projections where the model is quantized). Up to GEMV_MAX_ROWS
 rows the projections stream the weights (the GEMV); batches up to BATCH_MAX_ROWS run over
-the packed copies the layer loop also uses for them (`linear.batch_packed`: AMX tiles for
-bfloat16, AVX-512 or AVX2 panels for float32) where the machine and build have those kernels.
+the packed copies the layer loop also uses for them (`linear.batch_packed`: AMX tiles or
+AVX512-BF16 panels for bfloat16, AVX-512 or AVX2 panels for float32) where the machine and
+build have those kernels.
 
 Life cycle: built once per (model, KV cache) by the model, which checks there every
 weight's shape, dtype and layout and the cache's; `run` then checks only what changes per
@@ -45,7 +46,7 @@ _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers")
            -3: (MemoryError, "the paged decode kernel could not allocate its scratch memory"),
            -4: (ValueError, "a slot is outside the KV cache"),
            -5: (RuntimeError, "the batched decode stack's kernel (AMX tiles, AVX-512 "
-                              "panels) is missing from this build or machine")}
+                              "or AVX512-BF16 panels) is missing from this build or machine")}
 
 
 def _packed_pointers(layer_weights: list[torch.Tensor]) -> ctypes.Array | None:

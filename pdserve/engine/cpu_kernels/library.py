@@ -134,6 +134,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp_pack.restype = None
     lib.fp_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
     lib.fp_linear.restype = i32
+    # bf16_panels.c
+    lib.bp_available.argtypes = []
+    lib.bp_available.restype = i32
+    lib.bp_pack.argtypes = [p, i64, i64, p]
+    lib.bp_pack.restype = None
+    lib.bp_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
+    lib.bp_linear.restype = i32
     # argmax.c
     lib.am_argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.am_argmax_rows.restype = None

@@ -1,6 +1,7 @@
 """x @ W.T for the model's projections: F.linear, oneDNN's matmul, or on the CPU the C
-kernels for decode steps: the GEMV for a few rows, and for batches the AMX tiles (bfloat16)
-or AVX-512 or AVX2 panels (float32) over a packed copy of each weight."""
+kernels for decode steps: the GEMV for a few rows, and for batches the AMX tiles or
+AVX512-BF16 panels (bfloat16) or AVX-512 or AVX2 panels (float32) over a packed copy of each
+weight."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ GEMV_MAX_ROWS = 4
 # From there up to this many rows a projection runs on its packed copy (`batch_packed`)
 # where the CPU takes it: bfloat16 on AMX tiles (pdserve::amx_linear, 1.2-1.6x oneDNN's
 # matmul over a whole step's projections at 8-64 rows; at 128 rows and more oneDNN's
-# blocking wins), float32 on AVX-512 or AVX2 panels (pdserve::f32_panels_linear, as fast
+# blocking wins) or, without AMX, on AVX512-BF16 panels (pdserve::bf16_panels_linear, as
+# fast as oneDNN per call on a Zen 4, and one kernel with the decode stack's batched
+# form), float32 on AVX-512 or AVX2 panels (pdserve::f32_panels_linear, as fast
 # as oneDNN there on a Xeon, 1.08-1.17x on a Zen 3, and one kernel with the decode stack's
 # batched form) (docs/benchmarks.md section 6).
 BATCH_MAX_ROWS = 64
@@ -103,45 +106,58 @@ def cpu_linear() -> Linear:
 
 
 def packed_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """x @ W.T over `batch_packed(weight)`: AMX tiles for bfloat16, AVX-512 or AVX2 panels for
-    float32; None where the weight has no packed copy (its dtype, its shape, or this
-    CPU or build lacks the kernel)."""
-    from pdserve.engine.cpu_kernels.amx_linear import amx_linear
-    from pdserve.engine.cpu_kernels.f32_panels import f32_panels_linear
-
-    kernels = {torch.bfloat16: amx_linear, torch.float32: f32_panels_linear}
+    """x @ W.T over `batch_packed(weight)`: AMX tiles or AVX512-BF16 panels for bfloat16,
+    AVX-512 or AVX2 panels for float32; None where the weight has no packed copy (its dtype,
+    its shape, or this CPU or build lacks the kernel)."""
 
     def batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        p = batch_packed(weight)
-        if p is None or x.dtype != weight.dtype or x.shape[1] != weight.shape[1]:
+        entry = _packed(weight)
+        if entry is None or x.dtype != weight.dtype or x.shape[1] != weight.shape[1]:
             return None
-        return kernels[x.dtype](x if x.stride(-1) == 1 else x.contiguous(), p, weight.shape[0])
+        packed, kernel = entry
+        return kernel(x if x.stride(-1) == 1 else x.contiguous(), packed, weight.shape[0])
 
     return batched_linear
 
 
-# weight id -> its packed copy (None: no kernel takes it); dropped with the weight
-_packs: dict[int, torch.Tensor | None] = {}
+def _batch_kernel(weight: torch.Tensor) -> tuple[Callable, Callable] | None:
+    """(pack, linear) of the batched kernel that takes this weight on this CPU and build, or
+    None: AMX tiles before AVX512-BF16 panels for bfloat16 (the decode stack's batched form
+    picks between the two the same way), panels for float32."""
+    from pdserve.engine.cpu_kernels import amx_linear, bf16_panels, f32_panels
+
+    if amx_linear.packable(weight) and amx_linear.amx_available():
+        return amx_linear.amx_pack, amx_linear.amx_linear
+    if bf16_panels.packable(weight) and bf16_panels.panels_available():
+        return bf16_panels.bf16_pack, bf16_panels.bf16_panels_linear
+    if f32_panels.packable(weight) and f32_panels.panels_available():
+        return f32_panels.f32_pack, f32_panels.f32_panels_linear
+    return None
+
+
+# weight id -> (its packed copy, the kernel that reads it), None where no kernel takes it;
+# dropped with the weight
+_packs: dict[int, tuple[torch.Tensor, Callable] | None] = {}
+
+
+def _packed(weight: torch.Tensor) -> tuple[torch.Tensor, Callable] | None:
+    key = id(weight)
+    if key not in _packs:  # first use only: every batched projection call comes here
+        kernel = _batch_kernel(weight)
+        _packs[key] = None if kernel is None else (kernel[0](weight.contiguous()), kernel[1])
+        weakref.finalize(weight, _packs.pop, key, None)
+    return _packs[key]
 
 
 def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a weight the batched kernels read (a bfloat16 weight in the AMX
-    tiles' layout where the CPU has them, a float32 one in AVX-512 or AVX2 panels where the build
-    has them), made at its first use and kept while the weight lives (like oneDNN's blocked
-    copy: one more copy of the projections in memory), shared by the layer loop and the
-    decode stack; None when no kernel here takes it."""
-    key = id(weight)
-    if key not in _packs:  # first use only: every batched projection call comes here
-        from pdserve.engine.cpu_kernels import amx_linear, f32_panels
-
-        packed = None
-        if amx_linear.packable(weight) and amx_linear.amx_available():
-            packed = amx_linear.amx_pack(weight.contiguous())
-        elif f32_panels.packable(weight) and f32_panels.panels_available():
-            packed = f32_panels.f32_pack(weight.contiguous())
-        _packs[key] = packed
-        weakref.finalize(weight, _packs.pop, key, None)
-    return _packs[key]
+    tiles' layout where the CPU has them, else in AVX512-BF16 panels where the build has
+    them; a float32 one in AVX-512 or AVX2 panels where the build has them), made at its
+    first use and kept while the weight lives (like oneDNN's blocked copy: one more copy of
+    the projections in memory), shared by the layer loop and the decode stack; None when no
+    kernel here takes it."""
+    entry = _packed(weight)
+    return None if entry is None else entry[0]
 
 
 def prepack_cpu_copies(linear: Linear, weights: list[torch.Tensor]) -> None:

@@ -1,0 +1,93 @@
+"""The bfloat16 panel projection (cpu_kernels/bf16_panels.c, AVX512-BF16) against float64
+matmul: the k-paired packed layout, row counts around its 12-row blocks, one and many
+panels, strided x; every output the same bits whatever rows are beside it; bad arguments
+refused; and where the CPU has no AMX tiles the CPU linear routes 5..BATCH_MAX_ROWS
+bfloat16 rows to it. Skipped where the build has no AVX512-BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.cpu_kernels.amx_linear import amx_available
+from pdserve.engine.cpu_kernels.bf16_panels import bf16_pack, bf16_panels_linear, panels_available
+from pdserve.engine.layers.linear import BATCH_MAX_ROWS, GEMV_MAX_ROWS, batch_packed, cpu_linear
+
+pytestmark = pytest.mark.skipif(not panels_available(), reason="no AVX512-BF16 in this build")
+
+
+def _bf16(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_packing_is_panels_of_32_columns_by_k_pairs():
+    w = _bf16(64, 6, seed=0)
+    # [N/32, K/2, 32, 2]: panel p, pair k2 holds (W[32p + j][2 k2], W[32p + j][2 k2 + 1])
+    want = w.view(2, 32, 3, 2).permute(0, 2, 1, 3).reshape(-1)
+    assert torch.equal(bf16_pack(w), want)
+
+
+@pytest.mark.parametrize("m", [1, 5, 11, 12, 13, 24, 25, 37, 64, 65])
+@pytest.mark.parametrize("n,k", [(960, 576), (32, 1536), (64, 6)])
+def test_matches_float64_matmul(m, n, k):
+    x, w = _bf16(m, k, seed=m), _bf16(n, k, seed=n + k)
+    y = bf16_panels_linear(x, bf16_pack(w), n)
+    ref = x.double() @ w.double().T
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # float32 sums of exact products, rounded once to bfloat16 (relative 2^-8)
+    torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=1e-5 * k ** 0.5)
+
+
+def test_a_row_gets_the_same_bits_whatever_rows_are_beside_it():
+    """The decode stack's batched form and the layer loop must agree bit for bit: a row's
+    outputs may not depend on the block it fell in."""
+    x, w = _bf16(37, 576, seed=6), _bf16(128, 576, seed=7)
+    packed = bf16_pack(w)
+    whole = bf16_panels_linear(x, packed, 128)
+    for lo, hi in ((0, 1), (5, 30), (13, 37), (36, 37)):
+        assert torch.equal(bf16_panels_linear(x[lo:hi], packed, 128), whole[lo:hi])
+
+
+def test_strided_rows_of_x():
+    base, w = _bf16(40, 700, seed=1), _bf16(32, 576, seed=2)
+    x = base[::2, 10:586]  # row stride 1400 elements
+    torch.testing.assert_close(bf16_panels_linear(x, bf16_pack(w), 32).double(),
+                               x.double() @ w.double().T, rtol=2 ** -8, atol=1e-3)
+
+
+@pytest.mark.parametrize("x,packed,n,match", [
+    (torch.zeros(2, 64), torch.zeros(32 * 64, dtype=torch.bfloat16), 32, "bfloat16"),
+    (torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(30 * 64, dtype=torch.bfloat16), 30,
+     "N % 32"),
+    (torch.zeros(2, 63, dtype=torch.bfloat16), torch.zeros(32 * 63, dtype=torch.bfloat16), 32,
+     "K % 2"),
+    (torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(32 * 62, dtype=torch.bfloat16), 32,
+     "bf16_pack of a"),
+    (torch.zeros(64, 2, dtype=torch.bfloat16).t(), torch.zeros(32 * 64, dtype=torch.bfloat16),
+     32, "contiguous rows"),
+])
+def test_bad_arguments_are_refused(x, packed, n, match):
+    with pytest.raises(ValueError, match=match):
+        bf16_panels_linear(x, packed, n)
+
+
+def test_pack_refuses_weights_it_cannot_take():
+    with pytest.raises(ValueError, match="K % 2"):
+        bf16_pack(torch.zeros(32, 63, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        bf16_pack(torch.zeros(32, 64))
+
+
+@pytest.mark.skipif(amx_available(), reason="AMX tiles take bfloat16 batches here")
+def test_the_cpu_linear_uses_the_panels_between_the_gemv_and_onednn():
+    linear = cpu_linear()
+    w = _bf16(960, 576, seed=3)
+    packed = bf16_pack(w)
+    assert torch.equal(batch_packed(w), packed)
+    for m in (GEMV_MAX_ROWS + 1, 33, BATCH_MAX_ROWS):
+        x = _bf16(m, 576, seed=m)
+        assert torch.equal(linear(x, w), bf16_panels_linear(x, packed, 960)), m
+    # past BATCH_MAX_ROWS oneDNN takes it, still right
+    x = _bf16(BATCH_MAX_ROWS + 1, 576, seed=9)
+    torch.testing.assert_close(linear(x, w).double(), x.double() @ w.double().T, rtol=2 ** -7,
+                               atol=1e-2)
