@@ -229,16 +229,11 @@ int al_linear(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *pa
         for (int64_t r = 0; r < rest; r++)
             memcpy(tail + r * K, x + (full + r) * x_stride, (size_t)K * sizeof(uint16_t));
     }
-    if (num_threads > nblocks)
-        num_threads = (int)nblocks;
-    if (num_threads < 1)
-        num_threads = 1;
-    /* contiguous N-blocks per thread: each streams one run of the packed weights */
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads_for(nblocks, num_threads))
     {
-        const int64_t t = team_thread(), nt = team_size();
-        blocks(x, x_stride, M, tail, packed, K, y, N, nblocks * t / nt, nblocks * (t + 1) / nt,
-               NULL);
+        int64_t b0, b1;
+        team_share(nblocks, &b0, &b1);
+        blocks(x, x_stride, M, tail, packed, K, y, N, b0, b1, NULL);
     }
     free(tail);
     return 0;

@@ -39,6 +39,23 @@ static inline int team_size(void)
 #endif
 }
 
+/* For a product over `units` independent runs of output (the packed kernels' panels or
+ * N-blocks): the threads to ask for (num_threads, no more than the units, at least one),
+ * and in the region this thread's contiguous share [*u0, *u1), so each thread streams one
+ * run of the packed weights. */
+static inline int threads_for(int64_t units, int num_threads)
+{
+    const int n = num_threads > units ? (int)units : num_threads;
+    return n < 1 ? 1 : n;
+}
+
+static inline void team_share(int64_t units, int64_t *u0, int64_t *u1)
+{
+    const int64_t t = team_thread(), nt = team_size();
+    *u0 = units * t / nt;
+    *u1 = units * (t + 1) / nt;
+}
+
 static inline float bf16_to_f32(uint16_t h)
 {
     uint32_t u = (uint32_t)h << 16;

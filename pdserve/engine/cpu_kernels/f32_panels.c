@@ -199,14 +199,11 @@ int fp_linear(const float *x, int64_t x_stride, int64_t M, const float *packed, 
     if (!fp_available())
         return -1;
     const int64_t panels = N / PANEL;
-    if (num_threads > panels)
-        num_threads = (int)panels;
-    if (num_threads < 1)
-        num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads_for(panels, num_threads))
     {
-        const int64_t t = team_thread(), nt = team_size();
-        fp_blocks(x, x_stride, M, packed, K, y, N, panels * t / nt, panels * (t + 1) / nt);
+        int64_t p0, p1;
+        team_share(panels, &p0, &p1);
+        fp_blocks(x, x_stride, M, packed, K, y, N, p0, p1);
     }
     return 0;
 }
