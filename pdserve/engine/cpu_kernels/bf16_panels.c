@@ -17,7 +17,6 @@
  * region per op (docs/benchmarks.md section 6, session 19).
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"

@@ -122,12 +122,15 @@ def packed_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | Non
 
 def _batch_kernel(weight: torch.Tensor) -> tuple[Callable, Callable] | None:
     """(pack, linear) of the batched kernel that takes this weight on this CPU and build, or
-    None: AMX tiles before AVX512-BF16 panels for bfloat16 (the decode stack's batched form
-    picks between the two the same way), panels for float32."""
+    None. bfloat16: AMX tiles on a CPU with them, else AVX512-BF16 panels; chosen by the
+    machine alone, as the decode stack's batched form chooses which layout to read (a weight
+    the tiles cannot take gets no packed copy there, not panels). float32: panels."""
     from pdserve.engine.cpu_kernels import amx_linear, bf16_panels, f32_panels
 
-    if amx_linear.packable(weight) and amx_linear.amx_available():
-        return amx_linear.amx_pack, amx_linear.amx_linear
+    if weight.dtype == torch.bfloat16 and amx_linear.amx_available():
+        if amx_linear.packable(weight):
+            return amx_linear.amx_pack, amx_linear.amx_linear
+        return None
     if bf16_panels.packable(weight) and bf16_panels.panels_available():
         return bf16_panels.bf16_pack, bf16_panels.bf16_panels_linear
     if f32_panels.packable(weight) and f32_panels.panels_available():
