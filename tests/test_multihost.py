@@ -69,6 +69,9 @@ KV_PROMPT_TOKENS = 600  # ~300 KiB of KV with the tiny model, pushed in its last
 PREFILL_KBIT = 1000
 # what each decode host receives in the mirror case: the same ~2.5 s for that KV
 DECODE_KBIT = 1000
+# ~20 messages for that KV, one every ~0.13 s on a slowed link (1 MiB, the default, takes
+# it in one message: the counters would move only once the whole of it had arrived)
+KV_MESSAGE_BYTES = 16 << 10
 DECODERS = ("decode", "decode-b")
 NAMES = ("gw-a", "gw-b", "prefill", *DECODERS, "client")
 
@@ -172,7 +175,10 @@ def _start(topo: Topology, log_dir: Path, model_dir: str) -> Hosts:
             "--threads", "1", "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "128",
             # KV payloads in the Push messages, across the bridge; not through /dev/shm,
             # which every namespace here shares
-            "--kv-transport", "grpc"],
+            "--kv-transport", "grpc",
+            # the KV in messages of a few blocks: the link-cut tests' probe sees the
+            # receivers' byte counters move all through a slowed push, not once at its end
+            *(["--max-chunk-bytes", str(KV_MESSAGE_BYTES)] if tier == "prefill" else [])],
             log_dir / f"{name}.log")
     probe = topo.spawn("client", [sys.executable, str(Path(__file__).parent / "netns_probe.py")],
                        log=None, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -383,8 +389,8 @@ def test_decode_link_down_while_kv_crosses_migrates(hosts, reference, kv_referen
         cut = DECODERS[out["cut"]]
         other = DECODERS[1 - out["cut"]]
         # cut mid-transfer: some of the request's KV had arrived there, not all of it. The
-        # KV comes in a few chunks, the last the largest; a probe slowed by a loaded machine
-        # can see the counter move only after the last one: then this is not the case
+        # KV comes in ~20 messages; a probe slowed by a loaded machine can still see the
+        # counter move only after the last one: then this is not the case
         # under test, and the test says so rather than pass or fail on it
         arrived = out["at_cut"][out["cut"]] - out["base"][out["cut"]]
         assert 0 < arrived <= full, (out, full)
