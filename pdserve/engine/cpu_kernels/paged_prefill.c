@@ -88,6 +88,18 @@ INLINE __m512 exp2_ps(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
+/* A vector loaded once into a register for the several FMAs that use it. Left to itself,
+ * gcc folds the load into every one of them (four loads for four FMAs, in scores_t and
+ * accumulate_t alike); the empty asm makes the loaded value opaque, so it cannot. One
+ * 512-token prompt of SmolLM2's heads, float32, two threads on a Zen 4: 2.38-2.42 ->
+ * 2.09-2.41 ms a layer (bfloat16 2.67 -> 2.33). */
+INLINE __m512 load_once(const float *p)
+{
+    __m512 x = _mm512_load_ps(p);
+    __asm__("" : "+v"(x));
+    return x;
+}
+
 /* St[j][r] = Q[r] . K[j] for keys j < BK, row vectors v < RV (16 rows each): Qt is Q
  * transposed [D][RV*16], K rows [BK][D] float32. Four keys x RV vectors per pass. */
 INLINE void scores_t(const float *restrict Qt, const float *restrict K, float *restrict St,
@@ -105,7 +117,7 @@ INLINE void scores_t(const float *restrict Qt, const float *restrict K, float *r
             const __m512 b0 = _mm512_set1_ps(k0[d]), b1 = _mm512_set1_ps(k1[d]),
                          b2 = _mm512_set1_ps(k2[d]), b3 = _mm512_set1_ps(k3[d]);
             for (int v = 0; v < RV; v++) {
-                const __m512 q = _mm512_load_ps(Qt + d * W + 16 * v);
+                const __m512 q = load_once(Qt + d * W + 16 * v);
                 a[0][v] = _mm512_fmadd_ps(b0, q, a[0][v]);
                 a[1][v] = _mm512_fmadd_ps(b1, q, a[1][v]);
                 a[2][v] = _mm512_fmadd_ps(b2, q, a[2][v]);
@@ -133,7 +145,7 @@ INLINE void accumulate_t(const float *restrict P, const float *restrict V, float
             const __m512 b0 = _mm512_set1_ps(vr[0]), b1 = _mm512_set1_ps(vr[1]),
                          b2 = _mm512_set1_ps(vr[2]), b3 = _mm512_set1_ps(vr[3]);
             for (int v = 0; v < RV; v++) {
-                const __m512 pv = _mm512_load_ps(P + j * W + 16 * v);
+                const __m512 pv = load_once(P + j * W + 16 * v);
                 a[0][v] = _mm512_fmadd_ps(b0, pv, a[0][v]);
                 a[1][v] = _mm512_fmadd_ps(b1, pv, a[1][v]);
                 a[2][v] = _mm512_fmadd_ps(b2, pv, a[2][v]);
