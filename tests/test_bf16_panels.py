@@ -1,8 +1,8 @@
 """The bfloat16 panel projection (cpu_kernels/bf16_panels.c, AVX512-BF16) against float64
 matmul: the k-paired packed layout, row counts around its 12-row blocks, one and many
 panels, strided x; every output the same bits whatever rows are beside it; bad arguments
-refused; and where the CPU has no AMX tiles the CPU linear routes 5..BATCH_MAX_ROWS
-bfloat16 rows to it. Skipped where the build has no AVX512-BF16."""
+refused; and where the CPU has no AMX tiles the CPU linear routes every batch above the GEMV
+(5 rows and up) to it. Skipped where the build has no AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_pack_refuses_weights_it_cannot_take():
 
 
 @pytest.mark.skipif(amx_available(), reason="AMX tiles take bfloat16 batches here")
-def test_the_cpu_linear_uses_the_panels_between_the_gemv_and_onednn():
+def test_the_cpu_linear_uses_the_panels_above_the_gemv():
     linear = cpu_linear()
     w = _bf16(960, 576, seed=3)
     packed = bf16_pack(w)
@@ -87,7 +87,9 @@ def test_the_cpu_linear_uses_the_panels_between_the_gemv_and_onednn():
     for m in (GEMV_MAX_ROWS + 1, 33, BATCH_MAX_ROWS):
         x = _bf16(m, 576, seed=m)
         assert torch.equal(linear(x, w), bf16_panels_linear(x, packed, 960)), m
-    # past BATCH_MAX_ROWS oneDNN takes it, still right
-    x = _bf16(BATCH_MAX_ROWS + 1, 576, seed=9)
-    torch.testing.assert_close(linear(x, w).double(), x.double() @ w.double().T, rtol=2 ** -7,
-                               atol=1e-2)
+    # and past BATCH_MAX_ROWS, at prefill sizes, where they beat oneDNN too
+    for m in (BATCH_MAX_ROWS + 1, 300):
+        x = _bf16(m, 576, seed=m)
+        assert torch.equal(linear(x, w), bf16_panels_linear(x, packed, 960)), m
+        torch.testing.assert_close(linear(x, w).double(), x.double() @ w.double().T,
+                                   rtol=2 ** -7, atol=1e-2)

@@ -1,13 +1,15 @@
 """x @ W.T for the model's projections: F.linear, oneDNN's matmul, or on the CPU the C
-kernels for decode steps: the GEMV for a few rows, and for batches the AMX tiles or
-AVX512-BF16 panels (bfloat16) or AVX-512 or AVX2 panels (float32) over a packed copy of each
-weight."""
+kernels: the GEMV for a few rows, and for decode batches the AMX tiles or AVX512-BF16 panels
+(bfloat16) or AVX-512 or AVX2 panels (float32) over a packed copy of each weight; the
+AVX512-BF16 panels take prefill chunks too."""
 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,12 @@ GEMV_MAX_ROWS = 4
 # as oneDNN there on a Xeon, 1.08-1.17x on a Zen 3, and one kernel with the decode stack's
 # batched form) (docs/benchmarks.md section 6).
 BATCH_MAX_ROWS = 64
+# The AVX512-BF16 panels also win past it, at prefill sizes: a step's projections against
+# oneDNN on its blocked copy, on a Zen 4, 1.06x at 128 rows, 1.10x at 256, 1.12x at 512,
+# 1.04x at 1024 (`python -m pdserve.bench.cpu_linear`, docs/benchmarks.md section 6,
+# session 20), so they take every row count above the GEMV's. The AMX tiles (oneDNN's
+# blocking wins from 128 rows) and the float32 panels (1.02-1.03x there, unmeasured past 64
+# rows elsewhere) stop at BATCH_MAX_ROWS.
 # oneDNN's blocked copy of a weight is made for a batch size, but serves any (measured:
 # a copy made for M rows ran M + 7 rows as fast); 128 is between a decode batch and a
 # prefill chunk.
@@ -93,14 +101,10 @@ def cpu_linear() -> Linear:
     batched = packed_linear()
 
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if m <= GEMV_MAX_ROWS and x.dtype in DTYPE_CODES:
+        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype in DTYPE_CODES:
             return gemv_linear(x, weight)
-        if m <= BATCH_MAX_ROWS:
-            y = batched(x, weight)
-            if y is not None:
-                return y
-        return gemm(x, weight)
+        y = batched(x, weight)
+        return gemm(x, weight) if y is None else y
 
     return linear
 
@@ -108,46 +112,59 @@ def cpu_linear() -> Linear:
 def packed_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """x @ W.T over `batch_packed(weight)`: AMX tiles or AVX512-BF16 panels for bfloat16,
     AVX-512 or AVX2 panels for float32; None where the weight has no packed copy (its dtype,
-    its shape, or this CPU or build lacks the kernel)."""
+    its shape, or this CPU or build lacks the kernel) or x has more rows than its kernel
+    wins at (`_batch_kernel`)."""
 
     def batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         entry = _packed(weight)
         if entry is None or x.dtype != weight.dtype or x.shape[1] != weight.shape[1]:
             return None
         packed, kernel = entry
-        return kernel(x if x.stride(-1) == 1 else x.contiguous(), packed, weight.shape[0])
+        if x.shape[0] > kernel.max_rows:
+            return None
+        return kernel.linear(x if x.stride(-1) == 1 else x.contiguous(), packed,
+                             weight.shape[0])
 
     return batched_linear
 
 
-def _batch_kernel(weight: torch.Tensor) -> tuple[Callable, Callable] | None:
-    """(pack, linear) of the batched kernel that takes this weight on this CPU and build, or
-    None. bfloat16: AMX tiles on a CPU with them, else AVX512-BF16 panels; chosen by the
-    machine alone, as the decode stack's batched form chooses which layout to read (a weight
-    the tiles cannot take gets no packed copy there, not panels). float32: panels."""
+@dataclass(frozen=True)
+class BatchKernel:
+    """A batched kernel: how it packs a weight, its x @ W.T over the packed copy, and the
+    most rows it takes (more go to oneDNN)."""
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    max_rows: float
+
+
+def _batch_kernel(weight: torch.Tensor) -> BatchKernel | None:
+    """The batched kernel that takes this weight on this CPU and build, or None. bfloat16:
+    AMX tiles on a CPU with them, else AVX512-BF16 panels; chosen by the machine alone, as
+    the decode stack's batched form chooses which layout to read (a weight the tiles cannot
+    take gets no packed copy there, not panels). float32: panels."""
     from pdserve.engine.cpu_kernels import amx_linear, bf16_panels, f32_panels
 
     if weight.dtype == torch.bfloat16 and amx_linear.amx_available():
         if amx_linear.packable(weight):
-            return amx_linear.amx_pack, amx_linear.amx_linear
+            return BatchKernel(amx_linear.amx_pack, amx_linear.amx_linear, BATCH_MAX_ROWS)
         return None
     if bf16_panels.packable(weight) and bf16_panels.panels_available():
-        return bf16_panels.bf16_pack, bf16_panels.bf16_panels_linear
+        return BatchKernel(bf16_panels.bf16_pack, bf16_panels.bf16_panels_linear, math.inf)
     if f32_panels.packable(weight) and f32_panels.panels_available():
-        return f32_panels.f32_pack, f32_panels.f32_panels_linear
+        return BatchKernel(f32_panels.f32_pack, f32_panels.f32_panels_linear, BATCH_MAX_ROWS)
     return None
 
 
 # weight id -> (its packed copy, the kernel that reads it), None where no kernel takes it;
 # dropped with the weight
-_packs: dict[int, tuple[torch.Tensor, Callable] | None] = {}
+_packs: dict[int, tuple[torch.Tensor, BatchKernel] | None] = {}
 
 
-def _packed(weight: torch.Tensor) -> tuple[torch.Tensor, Callable] | None:
+def _packed(weight: torch.Tensor) -> tuple[torch.Tensor, BatchKernel] | None:
     key = id(weight)
     if key not in _packs:  # first use only: every batched projection call comes here
         kernel = _batch_kernel(weight)
-        _packs[key] = None if kernel is None else (kernel[0](weight.contiguous()), kernel[1])
+        _packs[key] = None if kernel is None else (kernel.pack(weight.contiguous()), kernel)
         weakref.finalize(weight, _packs.pop, key, None)
     return _packs[key]
 
@@ -164,8 +181,9 @@ def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def prepack_cpu_copies(linear: Linear, weights: list[torch.Tensor]) -> None:
-    """Make the copies `cpu_linear` keeps of these weights now: oneDNN's blocked copy (one
-    product of BATCH_MAX_ROWS + 1 zero rows each) and the batched kernels' (`batch_packed`)."""
+    """Make the copies `cpu_linear` keeps of these weights now: oneDNN's blocked copy where
+    a product of BATCH_MAX_ROWS + 1 zero rows reaches oneDNN (not under the AVX512-BF16
+    panels, which take every batch) and the batched kernels' (`batch_packed`)."""
     with torch.inference_mode():
         for w in weights:
             linear(torch.zeros(BATCH_MAX_ROWS + 1, w.shape[1], dtype=w.dtype), w)
