@@ -128,14 +128,24 @@ def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
 
 class _LateServices(grpc.GenericRpcHandler):
     """Servicers added after the server started (the model loads while health already
-    answers). Installed before start as one generic handler; calls to a service that is
-    not there yet get UNIMPLEMENTED. `refuse(method)` may name a reason to turn a call
-    away with UNAVAILABLE (a worker leaving a tier refuses that tier's new work), which the
-    gateway's retry policy passes on to the next worker."""
+    answers). Installed before start as one generic handler. Until `opened()`, a call to
+    any method not there yet is turned away with UNAVAILABLE: a worker restarted on the
+    address the gateway still routes to must not answer UNIMPLEMENTED, which callers take
+    for "this worker lacks the method" (the gateway's sessions fall back to a call per
+    request on it) rather than "try another worker". After `opened()` an unknown method is
+    UNIMPLEMENTED. `refuse(method)` may name a reason to turn a call away with UNAVAILABLE
+    (a worker leaving a tier refuses that tier's new work), which the gateway's retry
+    policy passes on to the next worker."""
 
     def __init__(self) -> None:
         self._handlers: list[grpc.GenericRpcHandler] = []
+        self._starting: grpc.RpcMethodHandler | None = _unavailable(
+            "the worker is starting: its model is still loading")
         self.refuse: Callable[[str], str | None] = lambda method: None
+
+    def opened(self) -> None:
+        """Every servicer is in: unknown methods are UNIMPLEMENTED from now on."""
+        self._starting = None
 
     def service(self, handler_call_details):
         for h in self._handlers:
@@ -143,7 +153,7 @@ class _LateServices(grpc.GenericRpcHandler):
             if handler is not None:
                 reason = self.refuse(handler_call_details.method)
                 return handler if reason is None else _refusing(handler, reason)
-        return None
+        return self._starting
 
     # what the generated add_*Servicer_to_server functions call on a "server"
     def add_generic_rpc_handlers(self, handlers) -> None:
@@ -151,6 +161,15 @@ class _LateServices(grpc.GenericRpcHandler):
 
     def add_registered_method_handlers(self, service_name, method_handlers) -> None:
         pass  # the generic handler above already routes these methods
+
+
+def _unavailable(reason: str) -> grpc.RpcMethodHandler:
+    """A handler for a method whose shape is unknown: it reads nothing and ends the call
+    with UNAVAILABLE, which a client of any shape receives as the call's status."""
+    async def refuse(_requests, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
@@ -401,6 +420,7 @@ class WorkerBase:
         self.aengine = AsyncEngine(self.engine, self.max_prefix_hashes)
         self.aengine.start()
         self.add_services(self.grpc.services)
+        self.grpc.services.opened()
         if cfg.metrics_port is not None:
             self.metrics_server = MetricsServer(self.metrics, self.refresh_metrics)
             await self.metrics_server.start(cfg.host, cfg.metrics_port)

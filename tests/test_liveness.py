@@ -3,8 +3,9 @@ up other requests, a full prefill queue answers RESOURCE_EXHAUSTED, an engine fa
 INTERNAL / 500 and NOT_SERVING until the engine recovers, the gateway says SERVING only once
 a request can be routed, a SIGSTOPped decode worker gives a clear status (not a hang) and
 serves again after SIGCONT, a SIGKILLed child of a local cluster is restarted, and a cluster
-restarts at once on the ports it just released, and registration calls carry the worker's
-rpc timeout (a heartbeat at most its interval)."""
+restarts at once on the ports it just released, registration calls carry the worker's
+rpc timeout (a heartbeat at most its interval), and a worker still loading its model turns
+tier calls away with UNAVAILABLE (retryable elsewhere), not UNIMPLEMENTED."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protos.pdserve.v1 import (
     common_pb2,
+    decode_pb2,
     decode_pb2_grpc,
     kvtransfer_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pdserve.worker_runtime import WorkerConfig
+from pdserve.worker_runtime import GrpcService, WorkerConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -390,3 +392,49 @@ def test_registration_calls_run_under_the_rpc_timeout_and_heartbeats_under_the_i
     assert len(seen["register"]) == 1 and 1.0 < seen["register"][0] <= 7.1, seen
     assert all(0 < t <= 0.3 for t in seen["heartbeat"]), seen["heartbeat"]
     assert len(seen["deregister"]) == 1 and 0 < seen["deregister"][0] <= 0.3, seen
+
+
+def test_a_worker_still_loading_is_unavailable_not_unimplemented():
+    """A decode worker SIGKILLed and restarted on its address is routed to before its model
+    is in: the gateway must read that as "try another worker" (UNAVAILABLE), not as a
+    worker without the method (UNIMPLEMENTED makes its sessions fall back to per-request
+    calls, which then fail the same way). Once every servicer is in, an unknown method is
+    UNIMPLEMENTED again."""
+    async def run() -> tuple[list, list, int]:
+        svc = GrpcService("127.0.0.1", 0, ("pdserve.v1.DecodeWorker",))
+        await svc.start()
+        address = f"127.0.0.1:{svc.port}"
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = decode_pb2_grpc.DecodeWorkerStub(ch)
+                loading = []
+                for call in (lambda: stub.Cancel(decode_pb2.CancelRequest(request_id="r"),
+                                                 timeout=5),
+                             lambda: _first(stub.Session(iter(()), timeout=5))):
+                    try:
+                        await call()
+                        loading.append(("OK", ""))
+                    except grpc.aio.AioRpcError as e:
+                        loading.append((e.code(), e.details()))
+                status = await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5)
+                svc.services.opened()
+                opened = []
+                try:
+                    await stub.Cancel(decode_pb2.CancelRequest(request_id="r"), timeout=5)
+                except grpc.aio.AioRpcError as e:
+                    opened.append(e.code())
+            return loading, opened, status.status
+        finally:
+            await svc.stop(0)
+
+    loading, opened, health = asyncio.run(run())
+    assert [c for c, _ in loading] == [grpc.StatusCode.UNAVAILABLE] * 2, loading
+    assert all("starting" in d for _, d in loading), loading
+    assert health == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert opened == [grpc.StatusCode.UNIMPLEMENTED]
+
+
+async def _first(call):
+    async for _ in call:
+        return
