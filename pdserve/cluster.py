@@ -44,7 +44,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -371,6 +371,28 @@ def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+# libgomp's spin before a waiting thread sleeps, in iterations of its pause loop (~0.1 ms
+# by libgomp's own estimate of 100,000 per ms): long enough to span the Python between two
+# parallel regions of a step's layer loop (a prefill step runs ~300 regions), short enough
+# to give the core back soon after the step ends. docs/benchmarks.md, session 21.
+SHARED_CORE_SPINCOUNT = 10_000
+
+
+def shared_core_openmp_env(environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """What a worker whose cores another process also runs on (the unpinned gateway,
+    another worker) gets on top of `environ`. Its OpenMP threads must not spin on at the end
+    of a region while a sibling is descheduled (a step then takes many times its compute:
+    docs/benchmarks.md, "Served overhead"), so they wait passively; and a bounded spin first
+    (`SHARED_CORE_SPINCOUNT`), since a futex wake-up at every one of a step's regions cost a
+    128-token prefill 25-35 %. The user's own settings win."""
+    if "OMP_WAIT_POLICY" in environ:
+        return ()
+    env = [("OMP_WAIT_POLICY", "PASSIVE")]
+    if "GOMP_SPINCOUNT" not in environ:
+        env.append(("GOMP_SPINCOUNT", str(SHARED_CORE_SPINCOUNT)))
+    return tuple(env)
+
+
 class LocalCluster:
     """One gateway plus `num_prefill` prefill and `num_decode` decode workers as child
     processes on this machine. Also a context manager: start + wait_healthy, then stop."""
@@ -424,15 +446,9 @@ class LocalCluster:
         children = [_Child("gateway", "gateway", gateway_argv, grpc_port,
                            f"http://{host}:{http_port}/metrics", self.log_dir / "gateway.log",
                            cpus["gateway"][0])]
-        # A worker whose cores another process also runs on (the unpinned gateway, another
-        # worker) must not spin its OpenMP threads at the end of each parallel region: when
-        # one of them is descheduled, the others spin on and a step takes many times its
-        # compute (measured: docs/benchmarks.md, "Served overhead"). Passive waiting costs
-        # a wake-up per region instead. The user's own setting wins.
         worker_env: tuple[tuple[str, str], ...] = ()
-        user_set = "OMP_WAIT_POLICY" in {**os.environ, **dict(c.env)}
-        if not self._cores_exclusive(cpus) and not user_set:
-            worker_env = (("OMP_WAIT_POLICY", "PASSIVE"),)
+        if not self._cores_exclusive(cpus):
+            worker_env = shared_core_openmp_env({**os.environ, **dict(c.env)})
         gateway_addr = f"{host}:{grpc_port}"
         registry_addr = f"{host}:{registry_port}"
         i = 0

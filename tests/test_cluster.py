@@ -22,6 +22,7 @@ import pytest
 from pdserve.cli import build_parser
 from pdserve.cluster import (
     MODULES,
+    SHARED_CORE_SPINCOUNT,
     ClusterConfig,
     ClusterError,
     LocalCluster,
@@ -369,10 +370,14 @@ def test_real_cluster_serves_a_chat_completion(tiny_model_dir):
 
 def test_workers_on_shared_cores_wait_passively(monkeypatch, tmp_path):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     shared = LocalCluster(model="m", num_prefill=0, http_port=0, grpc_port=0, cpus="none",
                           log_dir=str(tmp_path))
     children = shared._plan()
-    assert [dict(ch.env) for ch in children] == [{}, {"OMP_WAIT_POLICY": "PASSIVE"}]
+    assert [dict(ch.env) for ch in children] == [
+        {}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(SHARED_CORE_SPINCOUNT)}]
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")  # the user's spin is kept, the policy added
+    assert [dict(ch.env) for ch in shared._plan()] == [{}, {"OMP_WAIT_POLICY": "PASSIVE"}]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:  # every process on its own core: threads may spin
         own = LocalCluster(model="m", num_prefill=0, http_port=0, grpc_port=0,

@@ -45,6 +45,7 @@ from pdserve.cluster import (
     LocalCluster,
     assign_cpus,
     choose_layout,
+    shared_core_openmp_env,
 )
 from pdserve.os_thread import ENGINE_THREAD_NAME
 
@@ -249,20 +250,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _same_wait_policy(a: argparse.Namespace, argv: list[str]) -> None:
     """Re-run this process with the OpenMP wait policy the decode worker gets (the runtime
     reads it once, at load), so the engine side is timed as the worker computes."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        return
     layout = _layout(a)
     cpus = assign_cpus("auto", layout.num_prefill, layout.num_decode)
-    if not LocalCluster._cores_exclusive(cpus):
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *argv], env)
+    extra = () if LocalCluster._cores_exclusive(cpus) else shared_core_openmp_env(os.environ)
+    if extra:
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *argv],
+                  {**os.environ, **dict(extra)})
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = build_parser().parse_args(argv)
     _same_wait_policy(a, argv)
-    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}", file=sys.stderr)
+    print(" ".join(f"{k}={os.environ.get(k, '(unset)')}"
+                   for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")), file=sys.stderr)
     rows = run(a)
     for n in a.streams:
         mine = [r for r in rows if r.streams == n]
