@@ -24,11 +24,12 @@ import argparse
 import hmac
 import ipaddress
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from pdserve.grpc_refusal import refusing_handler
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 TOKEN_FILE_ENV = "PDSERVE_CLUSTER_TOKEN_FILE"
@@ -160,32 +161,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                 presented = value.encode() if isinstance(value, str) else value
         if hmac.compare_digest(presented, self._token):
             return handler
-        return _refusing(handler, details.method)
-
-
-def _refusing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call UNAUTHENTICATED without
-    reading its requests (so nothing the caller sent is parsed)."""
-    message = f"{method}: missing or wrong {TOKEN_METADATA} (cluster members only)"
-
-    async def deny(_request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def deny_stream(_request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator, as streaming handlers are
-
-    make: Callable[..., grpc.RpcMethodHandler]
-    if handler.request_streaming and handler.response_streaming:
-        make, fn = grpc.stream_stream_rpc_method_handler, deny_stream
-    elif handler.request_streaming:
-        make, fn = grpc.stream_unary_rpc_method_handler, deny
-    elif handler.response_streaming:
-        make, fn = grpc.unary_stream_rpc_method_handler, deny_stream
-    else:
-        make, fn = grpc.unary_unary_rpc_method_handler, deny
-    return make(fn, request_deserializer=None,
-                response_serializer=handler.response_serializer)
+        return refusing_handler(grpc.StatusCode.UNAUTHENTICATED, f"{details.method}: missing "
+                                f"or wrong {TOKEN_METADATA} (cluster members only)")
 
 
 def server_interceptors(creds: ClusterCredentials) -> list[grpc.aio.ServerInterceptor]:

@@ -38,6 +38,7 @@ from pdserve.engine.heap_tuning import retain_freed_memory
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from pdserve.grpc_health import GrpcHealth
+from pdserve.grpc_refusal import refusing_handler
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
 from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -139,8 +140,8 @@ class _LateServices(grpc.GenericRpcHandler):
 
     def __init__(self) -> None:
         self._handlers: list[grpc.GenericRpcHandler] = []
-        self._starting: grpc.RpcMethodHandler | None = _unavailable(
-            "the worker is starting: its model is still loading")
+        self._starting: grpc.RpcMethodHandler | None = refusing_handler(
+            grpc.StatusCode.UNAVAILABLE, "the worker is starting: its model is still loading")
         self.refuse: Callable[[str], str | None] = lambda method: None
 
     def opened(self) -> None:
@@ -152,7 +153,8 @@ class _LateServices(grpc.GenericRpcHandler):
             handler = h.service(handler_call_details)
             if handler is not None:
                 reason = self.refuse(handler_call_details.method)
-                return handler if reason is None else _refusing(handler, reason)
+                return handler if reason is None else refusing_handler(
+                    grpc.StatusCode.UNAVAILABLE, reason)
         return self._starting
 
     # what the generated add_*Servicer_to_server functions call on a "server"
@@ -161,33 +163,6 @@ class _LateServices(grpc.GenericRpcHandler):
 
     def add_registered_method_handlers(self, service_name, method_handlers) -> None:
         pass  # the generic handler above already routes these methods
-
-
-def _unavailable(reason: str) -> grpc.RpcMethodHandler:
-    """A handler for a method whose shape is unknown: it reads nothing and ends the call
-    with UNAVAILABLE, which a client of any shape receives as the call's status."""
-    async def refuse(_requests, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-
-    return grpc.stream_stream_rpc_method_handler(refuse)
-
-
-def _refusing(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape that answers UNAVAILABLE with `reason`."""
-    async def unary(_request, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-
-    async def stream(_request, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-        yield  # never reached: makes this an async generator, as streaming handlers are
-
-    kw = {"request_deserializer": handler.request_deserializer,
-          "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream, **kw)
-    raise ValueError("only unary-request methods can be refused")
 
 
 class GrpcService:
