@@ -44,6 +44,10 @@ ENGINE_FLAGS = (
           "weight bytes; larger batches and prefill compute on the de-quantized weights. "
           "Prefill and decode workers should agree",
           {"choices": ["none", *QUANTIZATIONS]}),
+    _Flag("--no-gguf-blocks", False,
+          "float32 from a Q4_1 GGUF (the default model): do not stream the projections' Q4_1 "
+          "blocks in decode steps of 1-4 sequences (the same values, bit for bit, in a sixth "
+          "of the bytes); stream the float32 rows instead", switch=True),
     _Flag("--device", "cpu", "torch device (default cpu)"),
     _Flag("--kv-cache-memory", "1GiB",
           "memory for the paged KV cache, e.g. 512MiB, 2GiB (default 1GiB)"),
@@ -94,6 +98,7 @@ def engine_config_from_args(a: argparse.Namespace, **overrides) -> EngineConfig:
               max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
               enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads,
               enforce_eager=a.enforce_eager, overlap_scheduling=a.overlap_scheduling,
-              quantization=None if a.quantization == "none" else a.quantization)
+              quantization=None if a.quantization == "none" else a.quantization,
+              gguf_blocks=not a.no_gguf_blocks)
     kw.update(overrides)
     return EngineConfig(**kw)

@@ -202,15 +202,34 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 EXPORT_FORMAT = 1  # bumped when the export's contents change
 
 
-def gguf_header_size(path: str | os.PathLike) -> int:
-    """Bytes from the file's start to the end of its tensor index: the magic, the metadata
-    (tokenizer and hyperparameters) and each tensor's name, shape, type and offset.
-    ValueError when the file is not a GGUF (v2 or v3)."""
+@dataclass(frozen=True)
+class GgufTensor:
+    """One entry of a GGUF's tensor index."""
+
+    ggml_type: int  # 2: Q4_1, 8: Q8_0, 0: F32, ...
+    dims: tuple[int, ...]  # innermost first, as GGUF lists them
+    offset: int  # from the file's start
+
+
+@dataclass(frozen=True)
+class GgufIndex:
+    header_size: int  # the magic, the metadata and the tensor index, in bytes
+    tensors: dict[str, GgufTensor]
+
+
+def gguf_index(path: str | os.PathLike) -> GgufIndex:
+    """The file's header size and tensor index, read without parsing its metadata's values
+    (the tokenizer's ~50k strings are skipped, not decoded). ValueError when the file is
+    not a GGUF (v2 or v3)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         if m[:4] != b"GGUF" or struct.unpack_from("<I", m, 4)[0] not in (2, 3):
             raise ValueError(f"{path} is not a GGUF v2/v3 file")
         n_tensors, n_kv = struct.unpack_from("<QQ", m, 8)
         pos = 24
+
+        def read_string(p: int) -> tuple[bytes, int]:
+            n = struct.unpack_from("<Q", m, p)[0]
+            return m[p + 8:p + 8 + n], p + 8 + n
 
         def skip_string(p: int) -> int:
             return p + 8 + struct.unpack_from("<Q", m, p)[0]
@@ -228,15 +247,31 @@ def gguf_header_size(path: str | os.PathLike) -> int:
                 return p
             return p + _GGUF_SIZES[vtype]
 
+        alignment = 32  # GGUF's default; "general.alignment" overrides it
         for _ in range(n_kv):
-            pos = skip_string(pos)
+            key, pos = read_string(pos)
             (vtype,) = struct.unpack_from("<I", m, pos)
+            if key == b"general.alignment" and vtype == 4:  # uint32
+                (alignment,) = struct.unpack_from("<I", m, pos + 4)
             pos = skip_value(pos + 4, vtype)
+        entries = []
         for _ in range(n_tensors):
-            pos = skip_string(pos)
+            name, pos = read_string(pos)
             (n_dims,) = struct.unpack_from("<I", m, pos)
-            pos += 4 + 8 * n_dims + 4 + 8  # dims, type, offset
-        return pos
+            dims = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 4 + 8
+            entries.append((name.decode(), ggml_type, tuple(dims), offset))
+    data_start = (pos + alignment - 1) // alignment * alignment
+    return GgufIndex(pos, {name: GgufTensor(t, dims, data_start + off)
+                           for name, t, dims, off in entries})
+
+
+def gguf_header_size(path: str | os.PathLike) -> int:
+    """Bytes from the file's start to the end of its tensor index: the magic, the metadata
+    (tokenizer and hyperparameters) and each tensor's name, shape, type and offset.
+    ValueError when the file is not a GGUF (v2 or v3)."""
+    return gguf_index(path).header_size
 
 
 def gguf_export_dir(gguf_path: str | os.PathLike) -> Path:

@@ -1,6 +1,7 @@
 """The Python side of decode_stack.c: `CpuDecodeStack`, every decoder layer of a CPU decode
 step in one C call (the model's layer loop, kernel for kernel, without a Python dispatch
-per kernel; over the int8 projections where the model is quantized). Up to GEMV_MAX_ROWS
+per kernel; over the int8 projections where the model is quantized, or a float32 model's
+GGUF Q4_1 blocks, pdserve.engine.gguf_blocks). Up to GEMV_MAX_ROWS
 rows the projections stream the weights (the GEMV); batches up to BATCH_MAX_ROWS run over
 the packed copies the layer loop also uses for them (`linear.batch_packed`: AMX tiles or
 AVX512-BF16 panels for bfloat16, AVX-512 or AVX2 panels for float32) where the machine and
@@ -46,7 +47,8 @@ _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers")
            -3: (MemoryError, "the paged decode kernel could not allocate its scratch memory"),
            -4: (ValueError, "a slot is outside the KV cache"),
            -5: (RuntimeError, "the batched decode stack's kernel (AMX tiles, AVX-512 "
-                              "or AVX512-BF16 panels) is missing from this build or machine")}
+                              "or AVX512-BF16 panels) is missing from this build or machine"),
+           -6: (ValueError, "Q4_1 blocks are read only under a float32 model without int8")}
 
 
 def _packed_pointers(layer_weights: list[torch.Tensor]) -> ctypes.Array | None:
@@ -58,6 +60,28 @@ def _packed_pointers(layer_weights: list[torch.Tensor]) -> ctypes.Array | None:
         return None
     return (ctypes.c_void_p * len(packed))(*(None if p is None else p.data_ptr()
                                              for p in packed))
+
+
+def _block_pointers(model, want: dict[str, tuple[int, ...]]) -> ctypes.Array | None:
+    """Pointers to the projections' Q4_1 blocks (`model.gguf_blocks`), None in each norm's
+    place; None where the model has none."""
+    blocks = model.gguf_blocks
+    if blocks is None:
+        return None
+    pointers = []
+    for n, layer in enumerate(blocks):
+        for name, wshape in want.items():
+            if len(wshape) == 1:
+                pointers.append(None)
+                continue
+            t = layer[name]
+            bshape = (wshape[0], wshape[1] // 32 * 20)
+            if (t.dtype != torch.uint8 or tuple(t.shape) != bshape or not t.is_contiguous()
+                    or t.device.type != "cpu" or wshape[1] % 32):
+                raise ValueError(f"layer {n} {name}'s Q4_1 blocks must be a contiguous uint8 "
+                                 f"{bshape}")
+            pointers.append(t.data_ptr())
+    return (ctypes.c_void_p * len(pointers))(*pointers)
 
 
 class CpuDecodeStack:
@@ -126,6 +150,7 @@ class CpuDecodeStack:
         # model and kv_data are held (their memory is what the pointers below point into)
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
         self._scales = (ctypes.c_void_p * len(scales))(*scales) if int8 else None
+        self._blocks = _block_pointers(model, want)
         self._kv = kv_data
         self._model = model
         # the batched form's packed projections (None in a norm's place), or None
@@ -183,7 +208,7 @@ class CpuDecodeStack:
             logits = torch.empty((t, m.dims.vocab_size), dtype=m.dtype)
         head.logits = None if logits is None else logits.data_ptr()
         rc = self._lib.ds_decode_layers(
-            ctypes.byref(self._dims), self._weights, self._scales, packed,
+            ctypes.byref(self._dims), self._weights, self._scales, self._blocks, packed,
             m.final_norm.data_ptr(), None if logits is None else ctypes.byref(head),
             self._kv.data_ptr(), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),

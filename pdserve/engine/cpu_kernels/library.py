@@ -100,13 +100,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gv_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i32, i32]
     lib.gv_linear.restype = i32
     # decode_stack.c
-    lib.ds_decode_layers.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, i64, p, p, i64,
-                                     i64, i32]
+    lib.ds_decode_layers.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, i64, p, p,
+                                     i64, i64, i32]
     lib.ds_decode_layers.restype = i32
     lib.ds_test_stall.argtypes = [i32, i32]
     lib.ds_test_stall.restype = None
     lib.ds_redone.argtypes = []
     lib.ds_redone.restype = ctypes.c_int64
+    # q4_blocks.c
+    lib.q41_linear.argtypes = [p, p, p, i64, i64, i64, i32]
+    lib.q41_linear.restype = None
+    lib.q41_dequant.argtypes = [p, i64, i64, p]
+    lib.q41_dequant.restype = None
     # crc_copy.c
     lib.cc_copy_crc32c.argtypes = [p, p, i64, ctypes.c_uint32, i32]
     lib.cc_copy_crc32c.restype = ctypes.c_uint32

@@ -1,0 +1,167 @@
+/* y = x @ W^T over W kept in the GGUF Q4_1 blocks it was de-quantized from, for a float32
+ * model's decode rows.
+ *
+ * A Q4_1 block is 32 weights of one row in 20 bytes: a float16 scale d, a float16 offset m,
+ * and 16 bytes of 4-bit codes q (byte j: weight j in its low nibble, weight j + 16 in its
+ * high one); weight = d * q + m. The float32 model holds exactly those values (the loader
+ * de-quantizes in float32, and d * q is exact there: 11 by 4 significant bits), so a row
+ * rebuilt here equals the model's row bit for bit (checked per row at load,
+ * pdserve.engine.gguf_blocks) and the products are the float32 GEMV's, summed in another
+ * order. What changes is the bytes per weight streamed from memory: 0.625 instead of 4.
+ *
+ * Per block the 16 values d * q + m (q = 0..15) are built with one FMA, exactly as the
+ * loader rounds them, and the 32 weights are looked up from them by their codes.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VBMI__)
+#define Q41_AVX512 1
+#endif
+
+#define Q41_BLOCK 32
+#define Q41_BYTES 20
+#define Q41_PREFETCH_AHEAD 2048 /* bytes of the block stream asked for ahead, into L1 */
+
+#ifdef __F16C__
+static float half_to_f32(uint16_t h)
+{
+    return _cvtsh_ss(h);
+}
+#else
+static float half_to_f32(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        uint32_t mm = man;
+        do {
+            e++;
+            mm <<= 1;
+        } while (!(mm & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((mm & 0x3ff) << 13);
+    } else {
+        u = sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+#endif
+
+/* Row n's float32 values: out[K]. */
+void q41_dequant_row(const uint8_t *row, int64_t K, float *out)
+{
+    for (int64_t b = 0; b < K / Q41_BLOCK; b++) {
+        const uint8_t *p = row + b * Q41_BYTES;
+        uint16_t dh, mh;
+        memcpy(&dh, p, 2);
+        memcpy(&mh, p + 2, 2);
+        const float d = half_to_f32(dh), m = half_to_f32(mh);
+        for (int j = 0; j < 16; j++) {
+            out[b * Q41_BLOCK + j] = d * (float)(p[4 + j] & 0xf) + m;
+            out[b * Q41_BLOCK + 16 + j] = d * (float)(p[4 + j] >> 4) + m;
+        }
+    }
+}
+
+#ifdef Q41_AVX512
+/* Dot products of one block row with nb rows of x (float32, row stride K). */
+static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
+{
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* byte j of the 16 codes into the low byte of dword j */
+    const __m512i spread = _mm512_set_epi32(
+        15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 acc[4][2];
+    for (int r = 0; r < nb; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / Q41_BLOCK; b++) {
+        const uint8_t *p = row + b * Q41_BYTES;
+        _mm_prefetch((const char *)p + Q41_PREFETCH_AHEAD, _MM_HINT_T0);
+        int32_t dm32;
+        memcpy(&dm32, p, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm32));
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_broadcastss_ps(dm),
+                                             _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+        const __m512i codes = _mm512_permutexvar_epi8(
+            spread, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + 4))));
+        /* vpermps reads only an index's low 4 bits: the low nibble, then the high one */
+        const __m512 w0 = _mm512_permutexvar_ps(codes, table);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+        for (int r = 0; r < nb; r++) {
+            const float *xr = x + r * K + b * Q41_BLOCK;
+            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < nb; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#else
+static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
+{
+    float w[Q41_BLOCK];
+    for (int r = 0; r < nb; r++)
+        out[r] = 0.0f;
+    for (int64_t b = 0; b < K / Q41_BLOCK; b++) {
+        q41_dequant_row(row + b * Q41_BYTES, Q41_BLOCK, w);
+        for (int r = 0; r < nb; r++) {
+            float s = 0.0f;
+            for (int j = 0; j < Q41_BLOCK; j++)
+                s += w[j] * x[r * K + b * Q41_BLOCK + j];
+            out[r] += s;
+        }
+    }
+}
+#endif
+
+/* Columns [n0, n1) of y [M, N] (row stride y_stride, float32) for the M rows of xf
+ * (float32 [M, K]); w: N rows of K / 32 blocks. M <= 4 per pass (the rows of a decode
+ * step's GEMV), more in passes of 4. */
+void q41_rows(const float *xf, const uint8_t *w, float *y, int64_t y_stride, int64_t M,
+              int64_t n0, int64_t n1, int64_t K)
+{
+    const int64_t row_bytes = K / Q41_BLOCK * Q41_BYTES;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t b0 = 0; b0 < M; b0 += 4) {
+            const int nb = M - b0 < 4 ? (int)(M - b0) : 4;
+            float out[4];
+            q41_dot(w + n * row_bytes, xf + b0 * K, K, nb, out);
+            for (int b = 0; b < nb; b++)
+                y[(b0 + b) * y_stride + n] = out[b];
+        }
+}
+
+/* y [M, N] = x [M, K] @ W^T, everything float32 and contiguous, W as blocks; K a multiple
+ * of 32. The layer loop's path (the decode stack calls q41_rows itself). */
+void q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K,
+                int num_threads)
+{
+    const int threads = N * K >= 65536 && num_threads > 1 ? num_threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t n0, n1;
+        team_share(N, &n0, &n1);
+        q41_rows(x, w, y, N, M, n0, n1, K);
+    }
+}
+
+/* The rows of w [N, K / 32 blocks] in float32: out [N, K]. */
+void q41_dequant(const uint8_t *w, int64_t N, int64_t K, float *out)
+{
+    const int64_t row_bytes = K / Q41_BLOCK * Q41_BYTES;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        q41_dequant_row(w + n * row_bytes, K, out + n * K);
+}

@@ -1,0 +1,108 @@
+"""A float32 model's projections streamed from their GGUF Q4_1 blocks
+(pdserve/engine/gguf_blocks.py, engine/cpu_kernels/q4_blocks.c): the blocks hold the model's
+weights bit for bit, the GEMV over them gives the float32 product, the decode stack takes them
+and decodes the float32 rows' tokens, and a model they do not match gets none."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from pdserve.engine import gguf_blocks
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_kernels.library import load
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_files import resolve_model
+from pdserve.protocol import SamplingParams
+
+
+def _random_blocks(n: int, k: int, seed: int) -> torch.Tensor:
+    """n rows of k / 32 Q4_1 blocks with finite float16 scales and offsets."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)
+    dm = (torch.randn(n, k // 32, 2, generator=g) * 0.05).to(torch.float16)
+    blocks[..., :4] = dm.view(torch.uint8).reshape(n, k // 32, 4)
+    return blocks.reshape(n, -1)
+
+
+def _reference(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """gguf-py's de-quantization (what transformers loads the model through)."""
+    from gguf import GGMLQuantizationType
+
+    out = gguf_dequantize(blocks.numpy(), GGMLQuantizationType.Q4_1)
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(-1, k)
+
+
+def test_dequantized_blocks_are_gguf_py_values_bit_for_bit():
+    blocks = _random_blocks(64, 576, seed=1)
+    assert torch.equal(gguf_blocks.dequantize(blocks, 576), _reference(blocks, 576))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_gemv_over_blocks_is_the_float32_product(rows):
+    n, k = 200, 1536
+    blocks = _random_blocks(n, k, seed=rows)
+    w = _reference(blocks, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))
+    y = torch.empty(rows, n)
+    load().q41_linear(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), rows, n, k,
+                      torch.get_num_threads())
+    ref = x.double() @ w.double().T
+    # float32 sums of 1536 products, in another order than float64's
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_row_order_finds_moved_rows_and_refuses_a_changed_one():
+    w = torch.randn(96, 64)
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(3))
+    order = gguf_blocks._row_order(w, w[perm].clone())
+    assert order is not None and torch.equal(w[perm][order], w)
+    changed = w.clone()
+    changed[5, 40] = torch.nextafter(changed[5, 40], torch.tensor(1e9))  # one ulp
+    assert gguf_blocks._row_order(changed, w[perm].clone()) is None
+
+
+@pytest.fixture(scope="module")
+def default_gguf() -> str:
+    src = resolve_model("smollm2-135m")
+    return os.path.join(src.directory, src.gguf_file)
+
+
+def _engine(**kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model="smollm2-135m", kv_cache_memory="64MiB",
+                                  show_progress=False, enable_prefix_caching=False, **kw))
+
+
+def test_the_default_model_streams_its_blocks_and_decodes_the_float32_tokens(default_gguf):
+    blocked = _engine()
+    blocks = blocked.model.gguf_blocks
+    assert blocks is not None and len(blocks) == blocked.dims.num_layers
+    for layer, lw in zip(blocks, blocked.model.layers):
+        for name, rows in layer.items():
+            w = getattr(lw, name)
+            assert torch.equal(gguf_blocks.dequantize(rows, w.shape[1]), w), name
+    plain = _engine(gguf_blocks=False)
+    assert plain.model.gguf_blocks is None
+    prompts = [plain.tokenizer.encode(p) for p in ("The capital of France is", "def fib(n):",
+                                                    "Once upon a time")]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for n in (1, 3):  # one row, and the GEMV's batch
+        ours = [o.token_ids for o in blocked.generate(prompts[:n], params)]
+        ref = [o.token_ids for o in plain.generate(prompts[:n], params)]
+        assert ours == ref
+    stack = blocked.model._decode_stack
+    assert stack is not None and stack[1]._blocks is not None  # the stack read the blocks
+
+
+def test_no_blocks_for_bfloat16_or_int8_or_weights_they_do_not_hold(default_gguf):
+    assert _engine(dtype="bfloat16").model.gguf_blocks is None
+    assert _engine(quantization="int8").model.gguf_blocks is None
+    engine = _engine(gguf_blocks=False)
+    layer = engine.model.layers[2]
+    layer.down = layer.down.clone()
+    layer.down[0, 0] += 1.0  # no longer the GGUF's value
+    assert gguf_blocks.layer_blocks(default_gguf, engine.model) is None
