@@ -97,11 +97,14 @@ class Row:
 def weight_bytes(model) -> int:
     """Bytes of the weights one decode step reads in full: every layer's linears and the
     output projection (the embedding is read one row per token, the norms are tiny); their
-    int8 copies where the model is quantized."""
+    int8 copies where the model is quantized, the linears' Q4_1 blocks where it streams
+    those (pdserve.engine.gguf_blocks)."""
     if model.lm_head_int8 is not None:
         return model.lm_head_int8.nbytes + sum(q.nbytes for lw in model.layers
                                                for q in lw.int8.values())
     n = model.lm_head.numel() * model.lm_head.element_size()
+    if model.gguf_blocks is not None:
+        return n + sum(t.numel() for layer in model.gguf_blocks for t in layer.values())
     for lw in model.layers:
         for t in (lw.qkv, lw.o, lw.gate_up, lw.down):
             n += t.numel() * t.element_size()
