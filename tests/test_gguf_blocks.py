@@ -1,7 +1,7 @@
-"""A float32 model's projections streamed from their GGUF Q4_1 blocks
-(pdserve/engine/gguf_blocks.py, engine/cpu_kernels/q4_blocks.c): the blocks hold the model's
-weights bit for bit, the GEMV over them gives the float32 product, the decode stack takes them
-and decodes the float32 rows' tokens, and a model they do not match gets none."""
+"""A float32 model's weights streamed from their GGUF blocks (Q4_1 projections, a Q8_0 LM
+head; pdserve/engine/gguf_blocks.py, engine/cpu_kernels/q4_blocks.c): the blocks hold the
+model's weights bit for bit, the GEMV over them gives the float32 product, the decode stack
+takes them and decodes the float32 rows' tokens, and a model they do not match gets none."""
 
 from __future__ import annotations
 
@@ -19,38 +19,45 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_files import resolve_model
 from pdserve.protocol import SamplingParams
 
+FORMATS = [gguf_blocks.Q4_1, gguf_blocks.Q8_0]
 
-def _random_blocks(n: int, k: int, seed: int) -> torch.Tensor:
-    """n rows of k / 32 Q4_1 blocks with finite float16 scales and offsets."""
+
+def _random_blocks(n: int, k: int, seed: int, ggml_type: int) -> torch.Tensor:
+    """n rows of k / 32 blocks with finite float16 scales (and Q4_1's offsets)."""
     g = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)
-    dm = (torch.randn(n, k // 32, 2, generator=g) * 0.05).to(torch.float16)
-    blocks[..., :4] = dm.view(torch.uint8).reshape(n, k // 32, 4)
+    size = gguf_blocks.FORMATS[ggml_type][0]
+    blocks = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=g)
+    scales = 2 if ggml_type == gguf_blocks.Q4_1 else 1
+    dm = (torch.randn(n, k // 32, scales, generator=g) * 0.05).to(torch.float16)
+    blocks[..., :2 * scales] = dm.view(torch.uint8).reshape(n, k // 32, 2 * scales)
     return blocks.reshape(n, -1)
 
 
-def _reference(blocks: torch.Tensor, k: int) -> torch.Tensor:
+def _reference(blocks: torch.Tensor, k: int, ggml_type: int) -> torch.Tensor:
     """gguf-py's de-quantization (what transformers loads the model through)."""
     from gguf import GGMLQuantizationType
 
-    out = gguf_dequantize(blocks.numpy(), GGMLQuantizationType.Q4_1)
+    out = gguf_dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type))
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(-1, k)
 
 
-def test_dequantized_blocks_are_gguf_py_values_bit_for_bit():
-    blocks = _random_blocks(64, 576, seed=1)
-    assert torch.equal(gguf_blocks.dequantize(blocks, 576), _reference(blocks, 576))
+@pytest.mark.parametrize("ggml_type", FORMATS)
+def test_dequantized_blocks_are_gguf_py_values_bit_for_bit(ggml_type):
+    blocks = _random_blocks(64, 576, 1, ggml_type)
+    assert torch.equal(gguf_blocks.dequantize(blocks, 576, ggml_type),
+                       _reference(blocks, 576, ggml_type))
 
 
+@pytest.mark.parametrize("ggml_type", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
-def test_gemv_over_blocks_is_the_float32_product(rows):
+def test_gemv_over_blocks_is_the_float32_product(rows, ggml_type):
     n, k = 200, 1536
-    blocks = _random_blocks(n, k, seed=rows)
-    w = _reference(blocks, k)
+    blocks = _random_blocks(n, k, rows, ggml_type)
+    w = _reference(blocks, k, ggml_type)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))
     y = torch.empty(rows, n)
-    load().q41_linear(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), rows, n, k,
-                      torch.get_num_threads())
+    load().blocks_linear(x.data_ptr(), blocks.data_ptr(), gguf_blocks.FORMATS[ggml_type][1],
+                         y.data_ptr(), rows, n, k, torch.get_num_threads())
     ref = x.double() @ w.double().T
     # float32 sums of 1536 products, in another order than float64's
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
@@ -80,11 +87,15 @@ def _engine(**kw) -> LLMEngine:
 def test_the_default_model_streams_its_blocks_and_decodes_the_float32_tokens(default_gguf):
     blocked = _engine()
     blocks = blocked.model.gguf_blocks
-    assert blocks is not None and len(blocks) == blocked.dims.num_layers
-    for layer, lw in zip(blocks, blocked.model.layers):
+    assert blocks is not None and len(blocks.layers) == blocked.dims.num_layers
+    for layer, lw in zip(blocks.layers, blocked.model.layers):
         for name, rows in layer.items():
             w = getattr(lw, name)
             assert torch.equal(gguf_blocks.dequantize(rows, w.shape[1]), w), name
+    head = blocked.model.lm_head
+    assert blocks.head is not None
+    assert torch.equal(gguf_blocks.dequantize(blocks.head, head.shape[1], gguf_blocks.Q8_0),
+                       head)
     plain = _engine(gguf_blocks=False)
     assert plain.model.gguf_blocks is None
     prompts = [plain.tokenizer.encode(p) for p in ("The capital of France is", "def fib(n):",
@@ -95,7 +106,8 @@ def test_the_default_model_streams_its_blocks_and_decodes_the_float32_tokens(def
         ref = [o.token_ids for o in plain.generate(prompts[:n], params)]
         assert ours == ref
     stack = blocked.model._decode_stack
-    assert stack is not None and stack[1]._blocks is not None  # the stack read the blocks
+    # the stack read the blocks, the head's too
+    assert stack is not None and stack[1]._blocks is not None and stack[1]._head.blocks
 
 
 def test_no_blocks_for_bfloat16_or_int8_or_weights_they_do_not_hold(default_gguf):
@@ -105,4 +117,4 @@ def test_no_blocks_for_bfloat16_or_int8_or_weights_they_do_not_hold(default_gguf
     layer = engine.model.layers[2]
     layer.down = layer.down.clone()
     layer.down[0, 0] += 1.0  # no longer the GGUF's value
-    assert gguf_blocks.layer_blocks(default_gguf, engine.model) is None
+    assert gguf_blocks.model_blocks(default_gguf, engine.model) is None

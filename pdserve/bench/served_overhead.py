@@ -103,8 +103,10 @@ def weight_bytes(model) -> int:
         return model.lm_head_int8.nbytes + sum(q.nbytes for lw in model.layers
                                                for q in lw.int8.values())
     n = model.lm_head.numel() * model.lm_head.element_size()
-    if model.gguf_blocks is not None:
-        return n + sum(t.numel() for layer in model.gguf_blocks for t in layer.values())
+    blocks = model.gguf_blocks
+    if blocks is not None:
+        n = blocks.nbytes if blocks.head is not None else n + blocks.nbytes
+        return n
     for lw in model.layers:
         for t in (lw.qkv, lw.o, lw.gate_up, lw.down):
             n += t.numel() * t.element_size()

@@ -1,23 +1,26 @@
 """A float32 model's projections kept in the GGUF Q4_1 blocks they were de-quantized from,
-for the CPU decode stack's GEMV to stream (pdserve/engine/cpu_kernels/q4_blocks.c).
+and its LM head in its Q8_0 blocks, for the CPU decode stack's GEMV to stream
+(pdserve/engine/cpu_kernels/q4_blocks.c).
 
 The default model ships as a Q4_1 GGUF; the loader de-quantizes it to float32, and every
 value of those weights is d * q + m for its block's scale and offset, exact in float32. A
 batch-1 decode step is bound by streaming the weights from memory, and the blocks are 0.625
-bytes a weight against 4: the same weights, bit for bit, in a sixth of the bytes.
+bytes a weight against 4: the same weights, bit for bit, in a sixth of the bytes. The
+head (the tied embedding, Q8_0: d * q with int8 q) is 1.06 bytes a weight.
 
 "Bit for bit" is checked, not assumed: each fused projection (qkv, o, gate_up, down) of each
 layer is matched row by row against the model's float32 tensor (transformers re-orders the
 rows of q and k for its RoPE layout; rows are matched wherever they moved). A projection
 with a row that matches nothing, a tensor of another GGUF type, or a K not a multiple of
 32, and the model gets no blocks at all: the decode stack then streams the float32 rows as
-before.
+before. A head that does not match keeps its float32 rows alone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,23 +30,39 @@ from pdserve.engine.model_files import gguf_index
 
 log = logging.getLogger(__name__)
 
-BLOCK = 32  # weights per Q4_1 block
-BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 4-bit codes
-Q4_1 = 3  # its GGML type number
+BLOCK = 32  # weights per block
+# GGML type -> (bytes a block, the C kernels' format code: common.h's BLOCKS_*)
+Q4_1, Q8_0 = 3, 8
+FORMATS = {Q4_1: (20, 1),  # float16 d, float16 m, 16 bytes of 4-bit codes
+           Q8_0: (34, 2)}  # float16 d, 32 int8 codes
 
 # the fused projections of pdserve.engine.llama.LayerWeights, from the GGUF's tensors
 FUSED = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
          "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 
 
-def dequantize(blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """uint8 [N, K / 32 * 20] Q4_1 rows -> float32 [N, K], as the loader computes them (in
-    C: q4_blocks.c's q41_dequant)."""
+@dataclass(frozen=True)
+class GgufBlocks:
+    """What the decode stack streams instead of float32 rows."""
+
+    layers: list[dict[str, torch.Tensor]]  # per layer, each fused projection's Q4_1 rows
+    head: torch.Tensor | None  # the LM head's Q8_0 rows, or None (its float32 rows then)
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(t.numel() for layer in self.layers for t in layer.values())
+        return n + (self.head.numel() if self.head is not None else 0)
+
+
+def dequantize(blocks: torch.Tensor, k: int, ggml_type: int = Q4_1) -> torch.Tensor:
+    """uint8 [N, K / 32 * block bytes] rows -> float32 [N, K], as the loader computes them
+    (in C: q4_blocks.c's blocks_dequant)."""
     from pdserve.engine.cpu_kernels.library import load
 
     blocks = blocks.contiguous()
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
-    load().q41_dequant(blocks.data_ptr(), blocks.shape[0], k, out.data_ptr())
+    load().blocks_dequant(blocks.data_ptr(), FORMATS[ggml_type][1], blocks.shape[0], k,
+                          out.data_ptr())
     return out
 
 
@@ -65,14 +84,21 @@ def _row_order(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
     return perm if torch.equal(rows[perm], weight) else None
 
 
-def layer_blocks(gguf_path: str | os.PathLike, model: Any) -> list[dict[str, torch.Tensor]] | None:
-    """Per layer, each fused projection's Q4_1 rows (uint8 [N, K / 32 * 20], in the order of
-    the model's float32 rows), or None where the model cannot use them (module doc)."""
+def _rows(data: np.ndarray, t: Any, k: int) -> torch.Tensor:
+    """A 2-D tensor's blocks from the mapped file, uint8 [rows, K / 32 * block bytes]."""
+    n_rows = int(np.prod(t.dims[1:]))
+    size = n_rows * (k // BLOCK) * FORMATS[t.ggml_type][0]
+    return torch.from_numpy(np.array(data[t.offset:t.offset + size])).reshape(n_rows, -1)
+
+
+def model_blocks(gguf_path: str | os.PathLike, model: Any) -> GgufBlocks | None:
+    """The blocks of a float32 model loaded from `gguf_path`, or None where its projections
+    are not all Q4_1 blocks' values (module doc)."""
     if model.dtype != torch.float32 or model.quantization is not None:
         return None
     tensors = gguf_index(gguf_path).tensors
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    out = []
+    layers = []
     for i, layer in enumerate(model.layers):
         fused: dict[str, torch.Tensor] = {}
         for name, parts in FUSED.items():
@@ -85,10 +111,7 @@ def layer_blocks(gguf_path: str | os.PathLike, model: Any) -> list[dict[str, tor
                     log.info("no Q4_1 blocks: blk.%d.%s is %s", i, part,
                              "missing" if t is None else f"GGML type {t.ggml_type} {t.dims}")
                     return None
-                n_rows = int(np.prod(t.dims[1:]))
-                size = n_rows * (k // BLOCK) * BLOCK_BYTES
-                pieces.append(torch.from_numpy(np.array(data[t.offset:t.offset + size]))
-                              .reshape(n_rows, -1))
+                pieces.append(_rows(data, t, k))
             rows = torch.cat(pieces)
             if rows.shape[0] != weight.shape[0]:
                 return None
@@ -97,5 +120,20 @@ def layer_blocks(gguf_path: str | os.PathLike, model: Any) -> list[dict[str, tor
                 log.info("no Q4_1 blocks: layer %d %s is not its GGUF blocks' values", i, name)
                 return None
             fused[name] = rows[order].contiguous()
-        out.append(fused)
-    return out
+        layers.append(fused)
+    return GgufBlocks(layers, _head_blocks(tensors, data, model.lm_head))
+
+
+def _head_blocks(tensors: dict[str, Any], data: np.ndarray, head: torch.Tensor
+                 ) -> torch.Tensor | None:
+    """The LM head's Q8_0 rows (its own tensor, or the tied embedding's) where they hold its
+    values in its row order, else None."""
+    k = head.shape[1]
+    for name in ("output.weight", "token_embd.weight"):
+        t = tensors.get(name)
+        if (t is not None and t.ggml_type == Q8_0 and not k % BLOCK and t.dims[0] == k
+                and int(np.prod(t.dims[1:])) == head.shape[0]):
+            rows = _rows(data, t, k)
+            if torch.equal(dequantize(rows, k, Q8_0), head):
+                return rows
+    return None

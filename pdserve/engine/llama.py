@@ -159,9 +159,9 @@ class LlamaModel:
 
             prepack_cpu_copies(self.linear, [getattr(lw, n) for lw in self.layers
                                              for n in PROJECTIONS] + [self.lm_head])
-        # a float32 model's projections as GGUF Q4_1 blocks, per layer, for the decode stack
-        # (pdserve.engine.gguf_blocks; set by the engine where the model came from them)
-        self.gguf_blocks: list[dict[str, torch.Tensor]] | None = None
+        # a float32 model's weights as the GGUF blocks they came from, for the decode stack
+        # (pdserve.engine.gguf_blocks.GgufBlocks; set by the engine where it has them)
+        self.gguf_blocks: Any = None
         self._decode_stack: tuple[PagedKVCache, Any] | None = None
 
     def _init_rope(self, hf_config: Any) -> None:

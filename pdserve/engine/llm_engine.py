@@ -221,19 +221,20 @@ class LLMEngine:
                                              and self.overlap.has_inflight())
 
     def _keep_gguf_blocks(self) -> None:
-        """The projections' Q4_1 blocks for the decode stack, where the model has them
+        """The weights' GGUF blocks for the decode stack, where the model has them
         (pdserve.engine.gguf_blocks)."""
-        from pdserve.engine.gguf_blocks import layer_blocks
+        from pdserve.engine.gguf_blocks import model_blocks
 
         t0 = time.perf_counter()
         path = os.path.join(self.source.directory, self.source.gguf_file)
-        blocks = layer_blocks(path, self.model)
+        blocks = model_blocks(path, self.model)
         self.model.gguf_blocks = blocks
         if blocks is not None:
-            size = sum(t.numel() for layer in blocks for t in layer.values())
-            log.info("decode steps of 1-4 sequences stream the projections' Q4_1 blocks: "
-                     "%.0f MB instead of %.0f MB of float32 (matched in %.1fs)", size / 1e6,
-                     size * 32 / 20 * 4 / 1e6, time.perf_counter() - t0)
+            log.info("decode steps of 1-4 sequences stream the weights' GGUF blocks (%.0f MB; "
+                     "the LM head's %s), the same values as the float32 rows (matched in "
+                     "%.1fs)", blocks.nbytes / 1e6,
+                     "too" if blocks.head is not None else "float32 rows",
+                     time.perf_counter() - t0)
 
     def step(self) -> list[SeqDelta]:
         if self.overlap is not None:

@@ -17,6 +17,10 @@
 
 #define DT_F32 0
 #define DT_BF16 1
+/* weights kept as GGUF blocks (q4_blocks.c): none, Q4_1, Q8_0 */
+#define BLOCKS_NONE 0
+#define BLOCKS_Q4_1 1
+#define BLOCKS_Q8_0 2
 #define INLINE static inline __attribute__((always_inline))
 
 /* This thread's number in its parallel region, and the region's team size (0 and 1 in a

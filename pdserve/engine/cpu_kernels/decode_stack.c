@@ -86,8 +86,9 @@ void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, 
 size_t gv_xbuf_bytes(int64_t M, int64_t K, int q8);
 void gv_rows(const float *xf, const void *w, const float *scales, void *y, int64_t y_stride,
              int64_t M, int64_t n0, int64_t n1, int64_t K, int dt);
-void q41_rows(const float *xf, const uint8_t *w, float *y, int64_t y_stride, int64_t M,
-              int64_t n0, int64_t n1, int64_t K);
+void blocks_rows(const float *xf, const uint8_t *w, int fmt, float *y, int64_t y_stride,
+                 int64_t M, int64_t n0, int64_t n1, int64_t K);
+int64_t blocks_row_bytes(int64_t K, int fmt);
 void lo_add_rms_norm(void *x, int64_t x_stride, const void *delta, const void *weight,
                      void *out, int64_t T, int H, float eps, int dt, int num_threads);
 int64_t lo_rope(void *qk, int64_t row_stride, const int64_t *positions, const void *cos_t,
@@ -213,6 +214,7 @@ struct ds_model {
 struct ds_head {
     const void *w;
     const float *scales;
+    const void *blocks; /* NULL, or w as GGUF Q8_0 blocks (a float32 model's tied embedding) */
     const void *packed;
     int64_t V;
     void *logits;
@@ -432,29 +434,36 @@ static int wait_flag(const uint8_t *flag)
     }
 }
 
-/* Output columns per GEMV run: GV_RUN_BYTES of weight rows of K inputs (Q4_1 blocks where
- * q41, else int8 where q8, else dt). */
-static int64_t gv_run_cols(int64_t K, int q8, int dt, int q41)
+/* Output columns per GEMV run: GV_RUN_BYTES of weight rows of K inputs (GGUF blocks of
+ * format fmt where it is not BLOCKS_NONE, else int8 where q8, else dt). */
+static int64_t gv_run_cols(int64_t K, int q8, int dt, int fmt)
 {
-    const int64_t row_bytes = q41 ? K / 32 * 20 : K * (q8 ? 1 : dt == DT_F32 ? 4 : 2);
+    const int64_t row_bytes = fmt != BLOCKS_NONE ? blocks_row_bytes(K, fmt)
+                                                 : K * (q8 ? 1 : dt == DT_F32 ? 4 : 2);
     return GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
 }
 
 /* The runs of a projection with N outputs over K inputs. */
-static int64_t gv_runs(int64_t N, int64_t K, int q8, int dt, int q41)
+static int64_t gv_runs(int64_t N, int64_t K, int q8, int dt, int fmt)
 {
-    const int64_t run = gv_run_cols(K, q8, dt, q41);
+    const int64_t run = gv_run_cols(K, q8, dt, fmt);
     return (N + run - 1) / run;
 }
 
-/* Columns [n0, n1) of a projection: over its Q4_1 blocks where it has them (float32 only),
- * else over w (and its int8 scales). */
-static void gv_cols(const float *xf, const void *w, const float *scales, const void *blocks,
+/* A projection's GGUF blocks (a float32 model's), or none: w's rows are read then. */
+struct blocks_ref {
+    const void *w;
+    int fmt;
+};
+
+/* Columns [n0, n1) of a projection: over its GGUF blocks where it has them, else over w (and
+ * its int8 scales). */
+static void gv_cols(const float *xf, const void *w, const float *scales, struct blocks_ref bl,
                     void *y, int64_t y_stride, int64_t M, int64_t n0, int64_t n1, int64_t K,
                     int dt)
 {
-    if (blocks)
-        q41_rows(xf, blocks, y, y_stride, M, n0, n1, K);
+    if (bl.w)
+        blocks_rows(xf, bl.w, bl.fmt, y, y_stride, M, n0, n1, K);
     else
         gv_rows(xf, w, scales, y, y_stride, M, n0, n1, K, dt);
 }
@@ -462,20 +471,20 @@ static void gv_cols(const float *xf, const void *w, const float *scales, const v
 /* y = xf @ w^T (gv_rows) in runs of columns; on return every column of y is written and
  * visible to this thread, whoever wrote it. flags: one per run, zeroed before the step. */
 static void gv_share_redo(const struct team *tm, int64_t step, uint8_t *flags, const float *xf,
-                          const void *w, const float *scales, const void *blocks, void *y,
+                          const void *w, const float *scales, struct blocks_ref bl, void *y,
                           int64_t y_stride, int64_t M, int64_t N, int64_t K, int dt)
 {
-    const int q8 = scales != NULL, q41 = blocks != NULL;
-    const int64_t run = gv_run_cols(K, q8, dt, q41), R = gv_runs(N, K, q8, dt, q41);
+    const int q8 = scales != NULL, fmt = bl.w ? bl.fmt : BLOCKS_NONE;
+    const int64_t run = gv_run_cols(K, q8, dt, fmt), R = gv_runs(N, K, q8, dt, fmt);
     for (int64_t r, r1; take(tm, step, R, 1, &r, &r1);) {
         claimed();
-        gv_cols(xf, w, scales, blocks, y, y_stride, M, r * run, min64((r + 1) * run, N), K,
+        gv_cols(xf, w, scales, bl, y, y_stride, M, r * run, min64((r + 1) * run, N), K,
                 dt);
         __atomic_store_n(&flags[r], 1, __ATOMIC_RELEASE);
     }
     for (int64_t r = 0; r < R; r++) /* runs others took: wait a little, then redo */
         if (!wait_flag(&flags[r])) {
-            gv_cols(xf, w, scales, blocks, y, y_stride, M, r * run, min64((r + 1) * run, N),
+            gv_cols(xf, w, scales, bl, y, y_stride, M, r * run, min64((r + 1) * run, N),
                     K, dt);
             __atomic_store_n(&flags[r], 1, __ATOMIC_RELEASE);
         }
@@ -497,7 +506,7 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
                        const void *sin_t, int64_t M, int num_threads)
 {
     const int dt = m->dt;
-    const int q8 = scales != NULL, q41 = blocks != NULL;
+    const int q8 = scales != NULL, fmt = blocks ? BLOCKS_Q4_1 : BLOCKS_NONE;
     static const float *const no_scales[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     static const void *const no_blocks[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     const size_t es = dt == DT_F32 ? 4 : 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
@@ -517,15 +526,17 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
     const size_t xf_bytes = xf_layers > xf_head ? xf_layers : xf_head;
     const size_t own_bytes = 2 * up64((size_t)(M * H) * es) + up64((size_t)(M * QKV) * es)
                              + up64((size_t)(M * I) * es) + up64(xf_bytes);
-    const int64_t runs[P_COUNT] = {gv_runs(QKV, H, q8, dt, q41), gv_runs(H, QD, q8, dt, q41),
-                                   gv_runs(2 * I, H, q8, dt, q41),
-                                   gv_runs(H, I, q8, dt, q41),
+    const int64_t runs[P_COUNT] = {gv_runs(QKV, H, q8, dt, fmt), gv_runs(H, QD, q8, dt, fmt),
+                                   gv_runs(2 * I, H, q8, dt, fmt),
+                                   gv_runs(H, I, q8, dt, fmt),
                                    M * m->Hkv /* attention's items, at most */};
     int64_t max_runs = 0;
     for (int p = 0; p < P_COUNT; p++)
         max_runs = runs[p] > max_runs ? runs[p] : max_runs;
     const int head_q8 = head && head->scales;
-    const int64_t head_runs = head ? gv_runs(head->V, H, head_q8, dt, 0) : 0;
+    const struct blocks_ref head_bl = {head ? head->blocks : NULL, BLOCKS_Q8_0};
+    const int64_t head_runs = head ? gv_runs(head->V, H, head_q8, dt,
+                                             head_bl.w ? BLOCKS_Q8_0 : BLOCKS_NONE) : 0;
     const int want = num_threads > 1 ? num_threads : 1;
     const size_t flag_bytes = up64((size_t)(L * P_COUNT * max_runs + head_runs));
     char *shared = aligned_alloc(64, (size_t)L * layer_bytes + up64((size_t)(M * H) * es)
@@ -568,7 +579,7 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
             char *attn = y_d + up64((size_t)(M * H) * es);
             char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
             char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
-            gv_share_redo(&tm, c + W_QKV, fl + P_QKV * max_runs, xf, w[1], sc[1], bl[1], qkv,
+            gv_share_redo(&tm, c + W_QKV, fl + P_QKV * max_runs, xf, w[1], sc[1], (struct blocks_ref){bl[1], BLOCKS_Q4_1}, qkv,
                           QKV, M, QKV, H, dt);
             memcpy(qk, qkv, (size_t)(M * QKV) * es);
             lo_rope(qk, QKV, positions, cos_t, sin_t, m->max_position, M,
@@ -589,15 +600,15 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
                 break;
             }
             gv_widen(attn, QD, xf, M, QD, dt, q8);
-            gv_share_redo(&tm, c + W_O, fl + P_O * max_runs, xf, w[2], sc[2], bl[2], y_o,
+            gv_share_redo(&tm, c + W_O, fl + P_O * max_runs, xf, w[2], sc[2], (struct blocks_ref){bl[2], BLOCKS_Q4_1}, y_o,
                           H, M, H, QD, dt);
             lo_add_rms_norm(res, H, y_o, w[3], h, M, (int)H, m->eps, dt, 1);
             gv_widen(h, H, xf, M, H, dt, q8);
-            gv_share_redo(&tm, c + W_GATE_UP, fl + P_GATE_UP * max_runs, xf, w[4], sc[4], bl[4],
+            gv_share_redo(&tm, c + W_GATE_UP, fl + P_GATE_UP * max_runs, xf, w[4], sc[4], (struct blocks_ref){bl[4], BLOCKS_Q4_1},
                           gu, 2 * I, M, 2 * I, H, dt);
             lo_silu_mul(gu, act, M, (int)I, dt, 1);
             gv_widen(act, I, xf, M, I, dt, q8);
-            gv_share_redo(&tm, c + W_DOWN, fl + P_DOWN * max_runs, xf, w[5], sc[5], bl[5],
+            gv_share_redo(&tm, c + W_DOWN, fl + P_DOWN * max_runs, xf, w[5], sc[5], (struct blocks_ref){bl[5], BLOCKS_Q4_1},
                           y_d, H, M, H, I, dt);
             lo_add_rms_norm(res, H, y_d, l + 1 < L ? weights[6 * (l + 1)] : final_norm, h, M,
                             (int)H, m->eps, dt, 1);
@@ -608,7 +619,7 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
             if (head) { /* the logits, shared out as a projection (the last counters' set) */
                 gv_widen(h, H, xf, M, H, dt, head_q8);
                 gv_share_redo(&tm, L * W_STEPS + W_QKV, head_flags, xf, head->w, head->scales,
-                              NULL, head->logits, head->V, M, head->V, H, dt);
+                              head_bl, head->logits, head->V, M, head->V, H, dt);
             }
             if (!__atomic_exchange_n(&finished, 1, __ATOMIC_ACQ_REL)) {
                 /* the first thread through publishes; x is written after the region */
@@ -630,7 +641,8 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
  * the [L, 2, num_blocks, block_size, Hkv, D] KV cache; x [M, H] the residual stream (the
  * embeddings in, updated in place); out [M, H] the final norm of the last residual;
  * blocks: NULL, or 6 per layer likewise (a float32 model, no scales): each projection's GGUF
- * Q4_1 blocks, which the GEMV then streams instead of its float32 rows (q4_blocks.c);
+ * Q4_1 blocks, which the GEMV then streams instead of its float32 rows (q4_blocks.c; the
+ * head's Q8_0 blocks come in struct ds_head);
  * head: NULL, or the LM head, whose logits are then computed too (struct ds_head);
  * packed: NULL, or 6 per layer likewise, the projections packed for the batched kernels
  * (al_pack or bp_pack for bfloat16, fp_pack for float32): then the batched form above runs.
@@ -650,7 +662,7 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     for (int64_t b = 0; b < M; b++)
         if (slots[b] < 0 || slots[b] >= num_slots)
             return -4;
-    if (blocks && (m->dt != DT_F32 || scales))
+    if ((blocks || (head && head->blocks)) && (m->dt != DT_F32 || scales))
         return -6;
     if (packed && !(m->dt == DT_BF16 ? al_available() || bp_available() : fp_available()))
         return -5;

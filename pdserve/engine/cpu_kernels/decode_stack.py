@@ -39,7 +39,8 @@ class DsHead(ctypes.Structure):
     """struct ds_head in decode_stack.c: the LM head and where its logits go."""
 
     _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("packed", ctypes.c_void_p), ("V", ctypes.c_int64), ("logits", ctypes.c_void_p)]
+                ("blocks", ctypes.c_void_p), ("packed", ctypes.c_void_p),
+                ("V", ctypes.c_int64), ("logits", ctypes.c_void_p)]
 
 
 _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers"),
@@ -48,7 +49,7 @@ _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers")
            -4: (ValueError, "a slot is outside the KV cache"),
            -5: (RuntimeError, "the batched decode stack's kernel (AMX tiles, AVX-512 "
                               "or AVX512-BF16 panels) is missing from this build or machine"),
-           -6: (ValueError, "Q4_1 blocks are read only under a float32 model without int8")}
+           -6: (ValueError, "GGUF blocks are read only under a float32 model without int8")}
 
 
 def _packed_pointers(layer_weights: list[torch.Tensor]) -> ctypes.Array | None:
@@ -65,11 +66,10 @@ def _packed_pointers(layer_weights: list[torch.Tensor]) -> ctypes.Array | None:
 def _block_pointers(model, want: dict[str, tuple[int, ...]]) -> ctypes.Array | None:
     """Pointers to the projections' Q4_1 blocks (`model.gguf_blocks`), None in each norm's
     place; None where the model has none."""
-    blocks = model.gguf_blocks
-    if blocks is None:
+    if model.gguf_blocks is None:
         return None
     pointers = []
-    for n, layer in enumerate(blocks):
+    for n, layer in enumerate(model.gguf_blocks.layers):
         for name, wshape in want.items():
             if len(wshape) == 1:
                 pointers.append(None)
@@ -82,6 +82,19 @@ def _block_pointers(model, want: dict[str, tuple[int, ...]]) -> ctypes.Array | N
                                  f"{bshape}")
             pointers.append(t.data_ptr())
     return (ctypes.c_void_p * len(pointers))(*pointers)
+
+
+def _head_blocks(model) -> torch.Tensor | None:
+    """The LM head's Q8_0 blocks (`model.gguf_blocks.head`), where the model has them."""
+    blocks = model.gguf_blocks.head if model.gguf_blocks is not None else None
+    if blocks is None:
+        return None
+    d = model.dims
+    bshape = (d.vocab_size, d.hidden_size // 32 * 34)
+    if (blocks.dtype != torch.uint8 or tuple(blocks.shape) != bshape
+            or not blocks.is_contiguous() or d.hidden_size % 32):
+        raise ValueError(f"the LM head's Q8_0 blocks must be a contiguous uint8 {bshape}")
+    return blocks
 
 
 class CpuDecodeStack:
@@ -160,8 +173,10 @@ class CpuDecodeStack:
         # which the model's linear reads as int8)
         head_packed = batch_packed(model.lm_head) if self._packed is not None and (
             head_s is None) else None
+        head_blocks = _head_blocks(model)
         self._head = DsHead(w=head_w.data_ptr(),
                             scales=None if head_s is None else head_s.data_ptr(),
+                            blocks=None if head_blocks is None else head_blocks.data_ptr(),
                             packed=None if head_packed is None else head_packed.data_ptr(),
                             V=d.vocab_size, logits=None)
         # the most rows `run` takes

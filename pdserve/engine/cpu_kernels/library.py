@@ -108,10 +108,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ds_redone.argtypes = []
     lib.ds_redone.restype = ctypes.c_int64
     # q4_blocks.c
-    lib.q41_linear.argtypes = [p, p, p, i64, i64, i64, i32]
-    lib.q41_linear.restype = None
-    lib.q41_dequant.argtypes = [p, i64, i64, p]
-    lib.q41_dequant.restype = None
+    lib.blocks_linear.argtypes = [p, p, i32, p, i64, i64, i64, i32]
+    lib.blocks_linear.restype = None
+    lib.blocks_dequant.argtypes = [p, i32, i64, i64, p]
+    lib.blocks_dequant.restype = None
     # crc_copy.c
     lib.cc_copy_crc32c.argtypes = [p, p, i64, ctypes.c_uint32, i32]
     lib.cc_copy_crc32c.restype = ctypes.c_uint32

@@ -11,6 +11,10 @@
  *
  * Per block the 16 values d * q + m (q = 0..15) are built with one FMA, exactly as the
  * loader rounds them, and the 32 weights are looked up from them by their codes.
+ *
+ * The LM head (the tied embedding) comes as Q8_0: 32 weights in 34 bytes, a float16 scale d
+ * and 32 int8 codes q, weight = d * q (exact in float32: 11 by 8 significant bits), 1.06
+ * bytes a weight.
  */
 #include <stdint.h>
 #include <string.h>
@@ -24,8 +28,9 @@
 #define Q41_AVX512 1
 #endif
 
-#define Q41_BLOCK 32
+#define BLOCK_WEIGHTS 32 /* weights per block, both formats */
 #define Q41_BYTES 20
+#define Q80_BYTES 34
 #define Q41_PREFETCH_AHEAD 2048 /* bytes of the block stream asked for ahead, into L1 */
 
 #ifdef __F16C__
@@ -62,16 +67,29 @@ static float half_to_f32(uint16_t h)
 /* Row n's float32 values: out[K]. */
 void q41_dequant_row(const uint8_t *row, int64_t K, float *out)
 {
-    for (int64_t b = 0; b < K / Q41_BLOCK; b++) {
+    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
         const uint8_t *p = row + b * Q41_BYTES;
         uint16_t dh, mh;
         memcpy(&dh, p, 2);
         memcpy(&mh, p + 2, 2);
         const float d = half_to_f32(dh), m = half_to_f32(mh);
         for (int j = 0; j < 16; j++) {
-            out[b * Q41_BLOCK + j] = d * (float)(p[4 + j] & 0xf) + m;
-            out[b * Q41_BLOCK + 16 + j] = d * (float)(p[4 + j] >> 4) + m;
+            out[b * BLOCK_WEIGHTS + j] = d * (float)(p[4 + j] & 0xf) + m;
+            out[b * BLOCK_WEIGHTS + 16 + j] = d * (float)(p[4 + j] >> 4) + m;
         }
+    }
+}
+
+/* A Q8_0 row's float32 values: out[K]. */
+void q80_dequant_row(const uint8_t *row, int64_t K, float *out)
+{
+    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
+        const uint8_t *p = row + b * Q80_BYTES;
+        uint16_t dh;
+        memcpy(&dh, p, 2);
+        const float d = half_to_f32(dh);
+        for (int j = 0; j < BLOCK_WEIGHTS; j++)
+            out[b * BLOCK_WEIGHTS + j] = d * (float)(int8_t)p[2 + j];
     }
 }
 
@@ -86,7 +104,7 @@ static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float
     __m512 acc[4][2];
     for (int r = 0; r < nb; r++)
         acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / Q41_BLOCK; b++) {
+    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
         const uint8_t *p = row + b * Q41_BYTES;
         _mm_prefetch((const char *)p + Q41_PREFETCH_AHEAD, _MM_HINT_T0);
         int32_t dm32;
@@ -100,7 +118,33 @@ static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float
         const __m512 w0 = _mm512_permutexvar_ps(codes, table);
         const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
         for (int r = 0; r < nb; r++) {
-            const float *xr = x + r * K + b * Q41_BLOCK;
+            const float *xr = x + r * K + b * BLOCK_WEIGHTS;
+            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < nb; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+static void q80_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
+{
+    __m512 acc[4][2];
+    for (int r = 0; r < nb; r++)
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
+        const uint8_t *p = row + b * Q80_BYTES;
+        _mm_prefetch((const char *)p + Q41_PREFETCH_AHEAD, _MM_HINT_T0);
+        uint16_t dh;
+        memcpy(&dh, p, 2);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+        const __m512 w0 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))), d);
+        const __m512 w1 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))),
+            d);
+        for (int r = 0; r < nb; r++) {
+            const float *xr = x + r * K + b * BLOCK_WEIGHTS;
             acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
             acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
         }
@@ -109,59 +153,88 @@ static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 #else
-static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
+static void q80_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
 {
-    float w[Q41_BLOCK];
+    float w[BLOCK_WEIGHTS];
     for (int r = 0; r < nb; r++)
         out[r] = 0.0f;
-    for (int64_t b = 0; b < K / Q41_BLOCK; b++) {
-        q41_dequant_row(row + b * Q41_BYTES, Q41_BLOCK, w);
+    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
+        q80_dequant_row(row + b * Q80_BYTES, BLOCK_WEIGHTS, w);
         for (int r = 0; r < nb; r++) {
             float s = 0.0f;
-            for (int j = 0; j < Q41_BLOCK; j++)
-                s += w[j] * x[r * K + b * Q41_BLOCK + j];
+            for (int j = 0; j < BLOCK_WEIGHTS; j++)
+                s += w[j] * x[r * K + b * BLOCK_WEIGHTS + j];
+            out[r] += s;
+        }
+    }
+}
+
+static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
+{
+    float w[BLOCK_WEIGHTS];
+    for (int r = 0; r < nb; r++)
+        out[r] = 0.0f;
+    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
+        q41_dequant_row(row + b * Q41_BYTES, BLOCK_WEIGHTS, w);
+        for (int r = 0; r < nb; r++) {
+            float s = 0.0f;
+            for (int j = 0; j < BLOCK_WEIGHTS; j++)
+                s += w[j] * x[r * K + b * BLOCK_WEIGHTS + j];
             out[r] += s;
         }
     }
 }
 #endif
 
-/* Columns [n0, n1) of y [M, N] (row stride y_stride, float32) for the M rows of xf
- * (float32 [M, K]); w: N rows of K / 32 blocks. M <= 4 per pass (the rows of a decode
- * step's GEMV), more in passes of 4. */
-void q41_rows(const float *xf, const uint8_t *w, float *y, int64_t y_stride, int64_t M,
-              int64_t n0, int64_t n1, int64_t K)
+/* Bytes of one row of K weights in blocks of format fmt (BLOCKS_Q4_1 or BLOCKS_Q8_0). */
+int64_t blocks_row_bytes(int64_t K, int fmt)
 {
-    const int64_t row_bytes = K / Q41_BLOCK * Q41_BYTES;
+    return K / BLOCK_WEIGHTS * (fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES);
+}
+
+/* Columns [n0, n1) of y [M, N] (row stride y_stride, float32) for the M rows of xf
+ * (float32 [M, K]); w: N rows of K / 32 blocks of format fmt. M <= 4 per pass (the rows of
+ * a decode step's GEMV), more in passes of 4. */
+void blocks_rows(const float *xf, const uint8_t *w, int fmt, float *y, int64_t y_stride,
+                 int64_t M, int64_t n0, int64_t n1, int64_t K)
+{
+    const int64_t row_bytes = blocks_row_bytes(K, fmt);
     for (int64_t n = n0; n < n1; n++)
         for (int64_t b0 = 0; b0 < M; b0 += 4) {
             const int nb = M - b0 < 4 ? (int)(M - b0) : 4;
             float out[4];
-            q41_dot(w + n * row_bytes, xf + b0 * K, K, nb, out);
+            if (fmt == BLOCKS_Q8_0)
+                q80_dot(w + n * row_bytes, xf + b0 * K, K, nb, out);
+            else
+                q41_dot(w + n * row_bytes, xf + b0 * K, K, nb, out);
             for (int b = 0; b < nb; b++)
                 y[(b0 + b) * y_stride + n] = out[b];
         }
 }
 
-/* y [M, N] = x [M, K] @ W^T, everything float32 and contiguous, W as blocks; K a multiple
- * of 32. The layer loop's path (the decode stack calls q41_rows itself). */
-void q41_linear(const float *x, const uint8_t *w, float *y, int64_t M, int64_t N, int64_t K,
-                int num_threads)
+/* y [M, N] = x [M, K] @ W^T, everything float32 and contiguous, W as blocks of format fmt;
+ * K a multiple of 32. For tests and harnesses (the decode stack calls blocks_rows). */
+void blocks_linear(const float *x, const uint8_t *w, int fmt, float *y, int64_t M, int64_t N,
+                   int64_t K, int num_threads)
 {
     const int threads = N * K >= 65536 && num_threads > 1 ? num_threads : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t n0, n1;
         team_share(N, &n0, &n1);
-        q41_rows(x, w, y, N, M, n0, n1, K);
+        blocks_rows(x, w, fmt, y, N, M, n0, n1, K);
     }
 }
 
-/* The rows of w [N, K / 32 blocks] in float32: out [N, K]. */
-void q41_dequant(const uint8_t *w, int64_t N, int64_t K, float *out)
+/* The rows of w [N, K / 32 blocks of format fmt] in float32: out [N, K]. */
+void blocks_dequant(const uint8_t *w, int fmt, int64_t N, int64_t K, float *out)
 {
-    const int64_t row_bytes = K / Q41_BLOCK * Q41_BYTES;
+    const int64_t row_bytes = blocks_row_bytes(K, fmt);
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        q41_dequant_row(w + n * row_bytes, K, out + n * K);
+    for (int64_t n = 0; n < N; n++) {
+        if (fmt == BLOCKS_Q8_0)
+            q80_dequant_row(w + n * row_bytes, K, out + n * K);
+        else
+            q41_dequant_row(w + n * row_bytes, K, out + n * K);
+    }
 }
