@@ -14,7 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from pdserve.engine import gguf_blocks
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_kernels.library import load
+from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_files import resolve_model
 from pdserve.protocol import SamplingParams
@@ -87,6 +87,9 @@ def _engine(**kw) -> LLMEngine:
 def test_the_default_model_streams_its_blocks_and_decodes_the_float32_tokens(default_gguf):
     blocked = _engine()
     blocks = blocked.model.gguf_blocks
+    if not load().blocks_fast():
+        assert blocks is None  # slower than the float32 rows on this build: not taken
+        return
     assert blocks is not None and len(blocks.layers) == blocked.dims.num_layers
     for layer, lw in zip(blocks.layers, blocked.model.layers):
         for name, rows in layer.items():
@@ -108,6 +111,28 @@ def test_the_default_model_streams_its_blocks_and_decodes_the_float32_tokens(def
     stack = blocked.model._decode_stack
     # the stack read the blocks, the head's too
     assert stack is not None and stack[1]._blocks is not None and stack[1]._head.blocks
+
+
+@pytest.mark.skipif(not load().blocks_fast(), reason="no vector form of the blocks' GEMV here")
+def test_from_two_rows_on_the_blocks_give_the_float32_gemv_bit_for_bit():
+    engine = _engine()
+    blocks, model = engine.model.gguf_blocks, engine.model
+    lib = load()
+    cases = [(getattr(model.layers[3], n), blocks.layers[3][n], 1) for n in ("qkv", "down")]
+    cases.append((model.lm_head, blocks.head, 2))
+    for w, rows, fmt in cases:
+        n, k = w.shape
+        for m in (1, 2, 3, 4):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            ours, gemv = torch.empty(m, n), torch.empty(m, n)
+            lib.blocks_linear(x.data_ptr(), rows.data_ptr(), fmt, ours.data_ptr(), m, n, k,
+                              torch.get_num_threads())
+            lib.gv_linear(x.data_ptr(), k, w.data_ptr(), None, gemv.data_ptr(), n, m, n, k,
+                          DTYPE_CODES[torch.float32], torch.get_num_threads())
+            if m > 1:
+                assert torch.equal(ours, gemv), (tuple(w.shape), m)
+            else:  # the same sums; gcc may add the four accumulators in another order
+                torch.testing.assert_close(ours, gemv, rtol=1e-5, atol=1e-5)
 
 
 def test_no_blocks_for_bfloat16_or_int8_or_weights_they_do_not_hold(default_gguf):

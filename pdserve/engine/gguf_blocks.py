@@ -13,7 +13,9 @@ layer is matched row by row against the model's float32 tensor (transformers re-
 rows of q and k for its RoPE layout; rows are matched wherever they moved). A projection
 with a row that matches nothing, a tensor of another GGUF type, or a K not a multiple of
 32, and the model gets no blocks at all: the decode stack then streams the float32 rows as
-before. A head that does not match keeps its float32 rows alone.
+before. A head that does not match keeps its float32 rows alone. Nor does a model get blocks
+from a build without their vector form (AVX-512 with VBMI; `blocks_fast`), where streaming
+them would be slower than the float32 rows.
 """
 
 from __future__ import annotations
@@ -94,7 +96,10 @@ def _rows(data: np.ndarray, t: Any, k: int) -> torch.Tensor:
 def model_blocks(gguf_path: str | os.PathLike, model: Any) -> GgufBlocks | None:
     """The blocks of a float32 model loaded from `gguf_path`, or None where its projections
     are not all Q4_1 blocks' values (module doc)."""
-    if model.dtype != torch.float32 or model.quantization is not None:
+    from pdserve.engine.cpu_kernels.library import load
+
+    if (model.dtype != torch.float32 or model.quantization is not None
+            or not load().blocks_fast()):
         return None
     tensors = gguf_index(gguf_path).tensors
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")

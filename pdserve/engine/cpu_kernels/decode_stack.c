@@ -89,6 +89,7 @@ void gv_rows(const float *xf, const void *w, const float *scales, void *y, int64
 void blocks_rows(const float *xf, const uint8_t *w, int fmt, float *y, int64_t y_stride,
                  int64_t M, int64_t n0, int64_t n1, int64_t K);
 int64_t blocks_row_bytes(int64_t K, int fmt);
+int blocks_fast(void);
 void lo_add_rms_norm(void *x, int64_t x_stride, const void *delta, const void *weight,
                      void *out, int64_t T, int H, float eps, int dt, int num_threads);
 int64_t lo_rope(void *qk, int64_t row_stride, const int64_t *positions, const void *cos_t,
@@ -649,7 +650,8 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
  * failed; -4 a slot outside the cache (nothing written); -5 packed weights given where this
  * build or machine lacks the batched kernel (nothing written); -6 blocks given for a model
- * that is not float32 or is int8 (nothing written). */
+ * that is not float32 or is int8, or to a build without their vector form (nothing
+ * written). */
 int ds_decode_layers(const struct ds_model *m, const void *const *weights,
                      const float *const *scales, const void *const *blocks,
                      const void *const *packed,
@@ -662,7 +664,7 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     for (int64_t b = 0; b < M; b++)
         if (slots[b] < 0 || slots[b] >= num_slots)
             return -4;
-    if ((blocks || (head && head->blocks)) && (m->dt != DT_F32 || scales))
+    if ((blocks || (head && head->blocks)) && (m->dt != DT_F32 || scales || !blocks_fast()))
         return -6;
     if (packed && !(m->dt == DT_BF16 ? al_available() || bp_available() : fp_available()))
         return -5;

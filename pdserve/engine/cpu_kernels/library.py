@@ -112,6 +112,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.blocks_linear.restype = None
     lib.blocks_dequant.argtypes = [p, i32, i64, i64, p]
     lib.blocks_dequant.restype = None
+    lib.blocks_fast.argtypes = []
+    lib.blocks_fast.restype = i32
     # crc_copy.c
     lib.cc_copy_crc32c.argtypes = [p, p, i64, ctypes.c_uint32, i32]
     lib.cc_copy_crc32c.restype = ctypes.c_uint32

@@ -25,13 +25,13 @@
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VBMI__)
-#define Q41_AVX512 1
+#define BLOCKS_AVX512 1
 #endif
 
 #define BLOCK_WEIGHTS 32 /* weights per block, both formats */
 #define Q41_BYTES 20
 #define Q80_BYTES 34
-#define Q41_PREFETCH_AHEAD 2048 /* bytes of the block stream asked for ahead, into L1 */
+#define BLOCKS_PREFETCH_AHEAD 2048 /* bytes of the block stream asked for ahead, into L1 */
 
 #ifdef __F16C__
 static float half_to_f32(uint16_t h)
@@ -93,89 +93,114 @@ void q80_dequant_row(const uint8_t *row, int64_t K, float *out)
     }
 }
 
-#ifdef Q41_AVX512
-/* Dot products of one block row with nb rows of x (float32, row stride K). */
-static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
+#ifdef BLOCKS_AVX512
+/* The vector forms sum in the row GEMV's order (gemv.c's dot_row for nb rows of x): U
+ * accumulators per row of x (4 at one row, 2 at two, else 1), step s of the row (16
+ * weights) into accumulator s % U while a whole group of U steps is left, then into the
+ * first; the accumulators added in order, then across the vector. From two rows of x on,
+ * a row's blocks give the GEMV's result bit for bit; at one row within a rounding (gcc
+ * may re-associate the final adds under -ffast-math). */
+static inline int gemv_unroll(int nb)
+{
+    return nb == 1 ? 4 : nb == 2 ? 2 : 1;
+}
+
+static inline int step_acc(int64_t s, int64_t grouped, int U)
+{
+    return s < grouped ? (int)(s % U) : 0;
+}
+
+/* The accumulators' sum, written as gemv.c's dot products write it with U a constant. */
+#define ACC_SUM_U(U)                                                                          \
+    static inline float acc_sum_##U(__m512 *acc)                                              \
+    {                                                                                         \
+        for (int u = 1; u < U; u++)                                                           \
+            acc[0] = _mm512_add_ps(acc[0], acc[u]);                                           \
+        return _mm512_reduce_add_ps(acc[0]);                                                  \
+    }
+ACC_SUM_U(1)
+ACC_SUM_U(2)
+ACC_SUM_U(4)
+
+static inline float acc_sum(__m512 *acc, int U)
+{
+    return U == 4 ? acc_sum_4(acc) : U == 2 ? acc_sum_2(acc) : acc_sum_1(acc);
+}
+
+/* A Q4_1 block's 32 weights in two vectors: its 16 values d * q + m (q = 0..15) from one FMA,
+ * exact as the loader's, looked up by the codes. */
+static inline void q41_weights(const uint8_t *p, __m512 *w0, __m512 *w1)
 {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     /* byte j of the 16 codes into the low byte of dword j */
-    const __m512i spread = _mm512_set_epi32(
-        15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    __m512 acc[4][2];
-    for (int r = 0; r < nb; r++)
-        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
-        const uint8_t *p = row + b * Q41_BYTES;
-        _mm_prefetch((const char *)p + Q41_PREFETCH_AHEAD, _MM_HINT_T0);
-        int32_t dm32;
-        memcpy(&dm32, p, 4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm32));
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_broadcastss_ps(dm),
-                                             _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
-        const __m512i codes = _mm512_permutexvar_epi8(
-            spread, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + 4))));
-        /* vpermps reads only an index's low 4 bits: the low nibble, then the high one */
-        const __m512 w0 = _mm512_permutexvar_ps(codes, table);
-        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
-        for (int r = 0; r < nb; r++) {
-            const float *xr = x + r * K + b * BLOCK_WEIGHTS;
-            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
-        }
-    }
-    for (int r = 0; r < nb; r++)
-        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    const __m512i spread = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1,
+                                            0);
+    int32_t dm32;
+    memcpy(&dm32, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm32));
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_broadcastss_ps(dm),
+                                         _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+    const __m512i codes = _mm512_permutexvar_epi8(
+        spread, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + 4))));
+    /* vpermps reads only an index's low 4 bits: the low nibble, then the high one */
+    *w0 = _mm512_permutexvar_ps(codes, table);
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
 }
 
-static void q80_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
+/* A Q8_0 block's 32 weights, d * q, in two vectors. */
+static inline void q80_weights(const uint8_t *p, __m512 *w0, __m512 *w1)
 {
-    __m512 acc[4][2];
+    uint16_t dh;
+    memcpy(&dh, p, 2);
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+    *w0 = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))), d);
+    *w1 = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))), d);
+}
+
+/* Dot products of one block row (format fmt) with nb <= 4 rows of x (row stride K). */
+static void row_dot(const uint8_t *row, int fmt, const float *x, int64_t K, int nb, float *out)
+{
+    const int64_t bytes = fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES;
+    const int U = gemv_unroll(nb);
+    const int64_t grouped = K / 16 / U * U;
+    __m512 acc[4][4];
     for (int r = 0; r < nb; r++)
-        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int u = 0; u < U; u++)
+            acc[r][u] = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
-        const uint8_t *p = row + b * Q80_BYTES;
-        _mm_prefetch((const char *)p + Q41_PREFETCH_AHEAD, _MM_HINT_T0);
-        uint16_t dh;
-        memcpy(&dh, p, 2);
-        const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
-        const __m512 w0 = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))), d);
-        const __m512 w1 = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))),
-            d);
+        const uint8_t *p = row + b * bytes;
+        _mm_prefetch((const char *)p + BLOCKS_PREFETCH_AHEAD, _MM_HINT_T0);
+        __m512 w0, w1;
+        if (fmt == BLOCKS_Q8_0)
+            q80_weights(p, &w0, &w1);
+        else
+            q41_weights(p, &w0, &w1);
+        const int a0 = step_acc(2 * b, grouped, U), a1 = step_acc(2 * b + 1, grouped, U);
         for (int r = 0; r < nb; r++) {
             const float *xr = x + r * K + b * BLOCK_WEIGHTS;
-            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
+            acc[r][a0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][a0]);
+            acc[r][a1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][a1]);
         }
     }
     for (int r = 0; r < nb; r++)
-        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        out[r] = acc_sum(acc[r], U);
 }
 #else
-static void q80_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
+/* Any CPU: each block de-quantized, then multiplied. For tests and builds without the
+ * vector form (blocks_fast says the engine should not stream blocks there). */
+static void row_dot(const uint8_t *row, int fmt, const float *x, int64_t K, int nb, float *out)
 {
+    const int64_t bytes = fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES;
     float w[BLOCK_WEIGHTS];
     for (int r = 0; r < nb; r++)
         out[r] = 0.0f;
     for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
-        q80_dequant_row(row + b * Q80_BYTES, BLOCK_WEIGHTS, w);
-        for (int r = 0; r < nb; r++) {
-            float s = 0.0f;
-            for (int j = 0; j < BLOCK_WEIGHTS; j++)
-                s += w[j] * x[r * K + b * BLOCK_WEIGHTS + j];
-            out[r] += s;
-        }
-    }
-}
-
-static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float *out)
-{
-    float w[BLOCK_WEIGHTS];
-    for (int r = 0; r < nb; r++)
-        out[r] = 0.0f;
-    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
-        q41_dequant_row(row + b * Q41_BYTES, BLOCK_WEIGHTS, w);
+        if (fmt == BLOCKS_Q8_0)
+            q80_dequant_row(row + b * bytes, BLOCK_WEIGHTS, w);
+        else
+            q41_dequant_row(row + b * bytes, BLOCK_WEIGHTS, w);
         for (int r = 0; r < nb; r++) {
             float s = 0.0f;
             for (int j = 0; j < BLOCK_WEIGHTS; j++)
@@ -185,6 +210,17 @@ static void q41_dot(const uint8_t *row, const float *x, int64_t K, int nb, float
     }
 }
 #endif
+
+/* Whether this build streams blocks faster than float32 rows: its vector form (AVX-512 with
+ * VBMI). Elsewhere the scalar form is slower than the rows, and the engine keeps the rows. */
+int blocks_fast(void)
+{
+#ifdef BLOCKS_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Bytes of one row of K weights in blocks of format fmt (BLOCKS_Q4_1 or BLOCKS_Q8_0). */
 int64_t blocks_row_bytes(int64_t K, int fmt)
@@ -203,10 +239,7 @@ void blocks_rows(const float *xf, const uint8_t *w, int fmt, float *y, int64_t y
         for (int64_t b0 = 0; b0 < M; b0 += 4) {
             const int nb = M - b0 < 4 ? (int)(M - b0) : 4;
             float out[4];
-            if (fmt == BLOCKS_Q8_0)
-                q80_dot(w + n * row_bytes, xf + b0 * K, K, nb, out);
-            else
-                q41_dot(w + n * row_bytes, xf + b0 * K, K, nb, out);
+            row_dot(w + n * row_bytes, fmt, xf + b0 * K, K, nb, out);
             for (int b = 0; b < nb; b++)
                 y[(b0 + b) * y_stride + n] = out[b];
         }
