@@ -100,15 +100,6 @@ void q80_dequant_row(const uint8_t *row, int64_t K, float *out)
  * first; the accumulators added in order, then across the vector. From two rows of x on,
  * a row's blocks give the GEMV's result bit for bit; at one row within a rounding (gcc
  * may re-associate the final adds under -ffast-math). */
-static inline int gemv_unroll(int nb)
-{
-    return nb == 1 ? 4 : nb == 2 ? 2 : 1;
-}
-
-static inline int step_acc(int64_t s, int64_t grouped, int U)
-{
-    return s < grouped ? (int)(s % U) : 0;
-}
 
 /* The accumulators' sum, written as gemv.c's dot products write it with U a constant. */
 #define ACC_SUM_U(U)                                                                          \
@@ -121,11 +112,6 @@ static inline int step_acc(int64_t s, int64_t grouped, int U)
 ACC_SUM_U(1)
 ACC_SUM_U(2)
 ACC_SUM_U(4)
-
-static inline float acc_sum(__m512 *acc, int U)
-{
-    return U == 4 ? acc_sum_4(acc) : U == 2 ? acc_sum_2(acc) : acc_sum_1(acc);
-}
 
 /* A Q4_1 block's 32 weights in two vectors: its 16 values d * q + m (q = 0..15) from one FMA,
  * exact as the loader's, looked up by the codes. */
@@ -159,33 +145,74 @@ static inline void q80_weights(const uint8_t *p, __m512 *w0, __m512 *w1)
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))), d);
 }
 
+/* Dot products of one block row with NB rows of x (row stride K): one function per NB and
+ * format, so the accumulators are a fixed set of registers. Groups of U steps (U / 2 blocks)
+ * while whole groups are left, then the rest into the first accumulator. */
+#define DEFINE_BLOCKS_DOT(NAME, WEIGHTS, BYTES, NB, U)                                        \
+    static void NAME##_##NB(const uint8_t *row, const float *x, int64_t K, float *out)       \
+    {                                                                                         \
+        __m512 acc[NB][U];                                                                    \
+        for (int r = 0; r < NB; r++)                                                          \
+            for (int u = 0; u < U; u++)                                                       \
+                acc[r][u] = _mm512_setzero_ps();                                              \
+        const int64_t blocks = K / BLOCK_WEIGHTS;                                             \
+        int64_t b = 0;                                                                        \
+        if (U > 1)                                                                            \
+            for (const int64_t grouped = K / 16 / U * U / 2; b < grouped; b += U / 2)         \
+                for (int j = 0; j < U / 2; j++) {                                             \
+                    const uint8_t *p = row + (b + j) * BYTES;                                 \
+                    _mm_prefetch((const char *)p + BLOCKS_PREFETCH_AHEAD, _MM_HINT_T0);       \
+                    __m512 w0, w1;                                                            \
+                    WEIGHTS(p, &w0, &w1);                                                     \
+                    for (int r = 0; r < NB; r++) {                                            \
+                        const float *xr = x + r * K + (b + j) * BLOCK_WEIGHTS;                \
+                        acc[r][2 * j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr),              \
+                                                        acc[r][2 * j]);                       \
+                        acc[r][2 * j + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16),     \
+                                                            acc[r][2 * j + 1]);               \
+                    }                                                                         \
+                }                                                                             \
+        for (; b < blocks; b++) {                                                             \
+            const uint8_t *p = row + b * BYTES;                                               \
+            _mm_prefetch((const char *)p + BLOCKS_PREFETCH_AHEAD, _MM_HINT_T0);               \
+            __m512 w0, w1;                                                                    \
+            WEIGHTS(p, &w0, &w1);                                                             \
+            for (int r = 0; r < NB; r++) {                                                    \
+                const float *xr = x + r * K + b * BLOCK_WEIGHTS;                              \
+                acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);              \
+                acc[r][0] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][0]);         \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < NB; r++)                                                          \
+            out[r] = acc_sum_##U(acc[r]);                                                     \
+    }
+DEFINE_BLOCKS_DOT(q41_dot, q41_weights, Q41_BYTES, 1, 4)
+DEFINE_BLOCKS_DOT(q41_dot, q41_weights, Q41_BYTES, 2, 2)
+DEFINE_BLOCKS_DOT(q41_dot, q41_weights, Q41_BYTES, 3, 1)
+DEFINE_BLOCKS_DOT(q41_dot, q41_weights, Q41_BYTES, 4, 1)
+DEFINE_BLOCKS_DOT(q80_dot, q80_weights, Q80_BYTES, 1, 4)
+DEFINE_BLOCKS_DOT(q80_dot, q80_weights, Q80_BYTES, 2, 2)
+DEFINE_BLOCKS_DOT(q80_dot, q80_weights, Q80_BYTES, 3, 1)
+DEFINE_BLOCKS_DOT(q80_dot, q80_weights, Q80_BYTES, 4, 1)
+
 /* Dot products of one block row (format fmt) with nb <= 4 rows of x (row stride K). */
 static void row_dot(const uint8_t *row, int fmt, const float *x, int64_t K, int nb, float *out)
 {
-    const int64_t bytes = fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES;
-    const int U = gemv_unroll(nb);
-    const int64_t grouped = K / 16 / U * U;
-    __m512 acc[4][4];
-    for (int r = 0; r < nb; r++)
-        for (int u = 0; u < U; u++)
-            acc[r][u] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
-        const uint8_t *p = row + b * bytes;
-        _mm_prefetch((const char *)p + BLOCKS_PREFETCH_AHEAD, _MM_HINT_T0);
-        __m512 w0, w1;
-        if (fmt == BLOCKS_Q8_0)
-            q80_weights(p, &w0, &w1);
-        else
-            q41_weights(p, &w0, &w1);
-        const int a0 = step_acc(2 * b, grouped, U), a1 = step_acc(2 * b + 1, grouped, U);
-        for (int r = 0; r < nb; r++) {
-            const float *xr = x + r * K + b * BLOCK_WEIGHTS;
-            acc[r][a0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][a0]);
-            acc[r][a1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][a1]);
+    if (fmt == BLOCKS_Q8_0) {
+        switch (nb) {
+        case 1: q80_dot_1(row, x, K, out); break;
+        case 2: q80_dot_2(row, x, K, out); break;
+        case 3: q80_dot_3(row, x, K, out); break;
+        default: q80_dot_4(row, x, K, out); break;
         }
+        return;
     }
-    for (int r = 0; r < nb; r++)
-        out[r] = acc_sum(acc[r], U);
+    switch (nb) {
+    case 1: q41_dot_1(row, x, K, out); break;
+    case 2: q41_dot_2(row, x, K, out); break;
+    case 3: q41_dot_3(row, x, K, out); break;
+    default: q41_dot_4(row, x, K, out); break;
+    }
 }
 #else
 /* Any CPU: each block de-quantized, then multiplied. For tests and builds without the
