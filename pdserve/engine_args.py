@@ -45,9 +45,10 @@ ENGINE_FLAGS = (
           "Prefill and decode workers should agree",
           {"choices": ["none", *QUANTIZATIONS]}),
     _Flag("--no-gguf-blocks", False,
-          "float32 from a Q4_1 GGUF (the default model): do not stream the projections' Q4_1 "
+          "a model from a Q4_1 GGUF (the default model): do not stream the weights' GGUF "
           "blocks in decode steps of 1-4 sequences (the same values, bit for bit, in a sixth "
-          "of the bytes); stream the float32 rows instead", switch=True),
+          "of float32's bytes, a third of bfloat16's); stream the model's rows instead",
+          switch=True),
     _Flag("--device", "cpu", "torch device (default cpu)"),
     _Flag("--kv-cache-memory", "1GiB",
           "memory for the paged KV cache, e.g. 512MiB, 2GiB (default 1GiB)"),

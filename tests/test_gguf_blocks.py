@@ -1,7 +1,8 @@
-"""A float32 model's weights streamed from their GGUF blocks (Q4_1 projections, a Q8_0 LM
-head; pdserve/engine/gguf_blocks.py, engine/cpu_kernels/q4_blocks.c): the blocks hold the
-model's weights bit for bit, the GEMV over them gives the float32 product, the decode stack
-takes them and decodes the float32 rows' tokens, and a model they do not match gets none."""
+"""A model's weights streamed from their GGUF blocks (Q4_1 projections, a Q8_0 LM head;
+pdserve/engine/gguf_blocks.py, engine/cpu_kernels/q4_blocks.c): the blocks hold the model's
+weights bit for bit (float32, or rounded to bfloat16), the GEMV over them gives the row
+GEMV's result bit for bit, the decode stack takes them and decodes the rows' tokens, and a
+model they do not match gets none."""
 
 from __future__ import annotations
 
@@ -48,19 +49,22 @@ def test_dequantized_blocks_are_gguf_py_values_bit_for_bit(ggml_type):
                        _reference(blocks, 576, ggml_type))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ggml_type", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
-def test_gemv_over_blocks_is_the_float32_product(rows, ggml_type):
+def test_gemv_over_blocks_is_the_product_of_the_models_weights(rows, ggml_type, dtype):
     n, k = 200, 1536
     blocks = _random_blocks(n, k, rows, ggml_type)
-    w = _reference(blocks, k, ggml_type)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))
-    y = torch.empty(rows, n)
+    w = _reference(blocks, k, ggml_type).to(dtype)  # what a model of that dtype holds
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9)).to(dtype)
+    y = torch.empty(rows, n, dtype=dtype)
     load().blocks_linear(x.data_ptr(), blocks.data_ptr(), gguf_blocks.FORMATS[ggml_type][1],
-                         y.data_ptr(), rows, n, k, torch.get_num_threads())
+                         y.data_ptr(), rows, n, k, DTYPE_CODES[dtype], torch.get_num_threads())
     ref = x.double() @ w.double().T
-    # float32 sums of 1536 products, in another order than float64's
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # float32 sums of 1536 exact products, in another order than float64's; a bfloat16
+    # result is rounded once more
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def test_row_order_finds_moved_rows_and_refuses_a_changed_one():
@@ -84,22 +88,23 @@ def _engine(**kw) -> LLMEngine:
                                   show_progress=False, enable_prefix_caching=False, **kw))
 
 
-def test_the_default_model_streams_its_blocks_and_decodes_the_float32_tokens(default_gguf):
-    blocked = _engine()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_default_model_streams_its_blocks_and_decodes_its_rows_tokens(default_gguf, dtype):
+    blocked = _engine(dtype=dtype)
     blocks = blocked.model.gguf_blocks
-    if not load().blocks_fast():
-        assert blocks is None  # slower than the float32 rows on this build: not taken
+    if not load().blocks_fast(DTYPE_CODES[blocked.model.dtype]):
+        assert blocks is None  # slower than the rows on this build: not taken
         return
     assert blocks is not None and len(blocks.layers) == blocked.dims.num_layers
     for layer, lw in zip(blocks.layers, blocked.model.layers):
         for name, rows in layer.items():
             w = getattr(lw, name)
-            assert torch.equal(gguf_blocks.dequantize(rows, w.shape[1]), w), name
+            assert torch.equal(gguf_blocks.dequantize(rows, w.shape[1]).to(w.dtype), w), name
     head = blocked.model.lm_head
     assert blocks.head is not None
-    assert torch.equal(gguf_blocks.dequantize(blocks.head, head.shape[1], gguf_blocks.Q8_0),
-                       head)
-    plain = _engine(gguf_blocks=False)
+    assert torch.equal(gguf_blocks.dequantize(blocks.head, head.shape[1], gguf_blocks.Q8_0)
+                       .to(head.dtype), head)
+    plain = _engine(dtype=dtype, gguf_blocks=False)
     assert plain.model.gguf_blocks is None
     prompts = [plain.tokenizer.encode(p) for p in ("The capital of France is", "def fib(n):",
                                                     "Once upon a time")]
@@ -113,9 +118,11 @@ def test_the_default_model_streams_its_blocks_and_decodes_the_float32_tokens(def
     assert stack is not None and stack[1]._blocks is not None and stack[1]._head.blocks
 
 
-@pytest.mark.skipif(not load().blocks_fast(), reason="no vector form of the blocks' GEMV here")
-def test_from_two_rows_on_the_blocks_give_the_float32_gemv_bit_for_bit():
-    engine = _engine()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blocks_give_the_row_gemv_bit_for_bit(dtype):
+    if not load().blocks_fast(DTYPE_CODES[dtype]):
+        pytest.skip(f"no vector form of the blocks' GEMV for {dtype} in this build")
+    engine = _engine(dtype=str(dtype).removeprefix("torch."))
     blocks, model = engine.model.gguf_blocks, engine.model
     lib = load()
     cases = [(getattr(model.layers[3], n), blocks.layers[3][n], 1) for n in ("qkv", "down")]
@@ -123,20 +130,16 @@ def test_from_two_rows_on_the_blocks_give_the_float32_gemv_bit_for_bit():
     for w, rows, fmt in cases:
         n, k = w.shape
         for m in (1, 2, 3, 4):
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            ours, gemv = torch.empty(m, n), torch.empty(m, n)
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+            ours, gemv = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
             lib.blocks_linear(x.data_ptr(), rows.data_ptr(), fmt, ours.data_ptr(), m, n, k,
-                              torch.get_num_threads())
+                              DTYPE_CODES[dtype], torch.get_num_threads())
             lib.gv_linear(x.data_ptr(), k, w.data_ptr(), None, gemv.data_ptr(), n, m, n, k,
-                          DTYPE_CODES[torch.float32], torch.get_num_threads())
-            if m > 1:
-                assert torch.equal(ours, gemv), (tuple(w.shape), m)
-            else:  # the same sums; gcc may add the four accumulators in another order
-                torch.testing.assert_close(ours, gemv, rtol=1e-5, atol=1e-5)
+                          DTYPE_CODES[dtype], torch.get_num_threads())
+            assert torch.equal(ours, gemv), (tuple(w.shape), m)
 
 
-def test_no_blocks_for_bfloat16_or_int8_or_weights_they_do_not_hold(default_gguf):
-    assert _engine(dtype="bfloat16").model.gguf_blocks is None
+def test_no_blocks_for_int8_or_weights_they_do_not_hold(default_gguf):
     assert _engine(quantization="int8").model.gguf_blocks is None
     engine = _engine(gguf_blocks=False)
     layer = engine.model.layers[2]

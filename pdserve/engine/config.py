@@ -87,8 +87,8 @@ class EngineConfig:
     # None, or "int8": weight-only int8 projections and LM head (pdserve.engine.layers.int8),
     # read by the CPU's batch-1..4 decode stack; CPU only
     quantization: str | None = None
-    # a float32 model de-quantized from a Q4_1 GGUF: its CPU decode stack streams the
-    # projections' blocks (the same values, 0.625 bytes a weight; pdserve.engine.gguf_blocks)
+    # a model de-quantized from a Q4_1 GGUF: its CPU decode stack streams the weights' blocks
+    # (the same values, 0.625 bytes a weight; pdserve.engine.gguf_blocks)
     gguf_blocks: bool = True
 
     def __post_init__(self) -> None:

@@ -1,21 +1,23 @@
-"""A float32 model's projections kept in the GGUF Q4_1 blocks they were de-quantized from,
-and its LM head in its Q8_0 blocks, for the CPU decode stack's GEMV to stream
+"""A model's projections kept in the GGUF Q4_1 blocks they were de-quantized from, and its LM
+head in its Q8_0 blocks, for the CPU decode stack's GEMV to stream
 (pdserve/engine/cpu_kernels/q4_blocks.c).
 
 The default model ships as a Q4_1 GGUF; the loader de-quantizes it to float32, and every
 value of those weights is d * q + m for its block's scale and offset, exact in float32. A
 batch-1 decode step is bound by streaming the weights from memory, and the blocks are 0.625
 bytes a weight against 4: the same weights, bit for bit, in a sixth of the bytes. The
-head (the tied embedding, Q8_0: d * q with int8 q) is 1.06 bytes a weight.
+head (the tied embedding, Q8_0: d * q with int8 q) is 1.06 bytes a weight. A bfloat16 model
+holds those values rounded to bfloat16 (2 bytes a weight), and the kernels round them the
+same way.
 
 "Bit for bit" is checked, not assumed: each fused projection (qkv, o, gate_up, down) of each
-layer is matched row by row against the model's float32 tensor (transformers re-orders the
+layer is matched row by row against the model's tensor (transformers re-orders the
 rows of q and k for its RoPE layout; rows are matched wherever they moved). A projection
 with a row that matches nothing, a tensor of another GGUF type, or a K not a multiple of
-32, and the model gets no blocks at all: the decode stack then streams the float32 rows as
-before. A head that does not match keeps its float32 rows alone. Nor does a model get blocks
-from a build without their vector form (AVX-512 with VBMI; `blocks_fast`), where streaming
-them would be slower than the float32 rows.
+32, and the model gets no blocks at all: the decode stack then streams its rows as before.
+A head that does not match keeps its rows alone. Nor does a model get blocks from a build
+without their vector form for its dtype (`blocks_fast`: AVX-512 with VBMI, and AVX512-BF16
+for bfloat16), where streaming them would be slower than the rows.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ FUSED = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
 
 @dataclass(frozen=True)
 class GgufBlocks:
-    """What the decode stack streams instead of float32 rows."""
+    """What the decode stack streams instead of the model's rows."""
 
     layers: list[dict[str, torch.Tensor]]  # per layer, each fused projection's Q4_1 rows
-    head: torch.Tensor | None  # the LM head's Q8_0 rows, or None (its float32 rows then)
+    head: torch.Tensor | None  # the LM head's Q8_0 rows, or None (its own rows then)
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +77,7 @@ def _row_order(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         return torch.arange(weight.shape[0])
     # rows found by their first values' bits, then compared whole
     def key(t: torch.Tensor) -> list[bytes]:
-        head = t[:, :16].contiguous().numpy()
+        head = t[:, :16].contiguous().view(torch.uint8).numpy()
         return [r.tobytes() for r in head]
 
     where = {h: i for i, h in enumerate(key(rows))}
@@ -94,12 +96,12 @@ def _rows(data: np.ndarray, t: Any, k: int) -> torch.Tensor:
 
 
 def model_blocks(gguf_path: str | os.PathLike, model: Any) -> GgufBlocks | None:
-    """The blocks of a float32 model loaded from `gguf_path`, or None where its projections
-    are not all Q4_1 blocks' values (module doc)."""
-    from pdserve.engine.cpu_kernels.library import load
+    """The blocks of a model loaded from `gguf_path`, or None where its projections are not
+    all Q4_1 blocks' values, or this build would not gain (module doc)."""
+    from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
 
-    if (model.dtype != torch.float32 or model.quantization is not None
-            or not load().blocks_fast()):
+    if (model.dtype not in DTYPE_CODES or model.quantization is not None
+            or not load().blocks_fast(DTYPE_CODES[model.dtype])):
         return None
     tensors = gguf_index(gguf_path).tensors
     data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
@@ -120,7 +122,7 @@ def model_blocks(gguf_path: str | os.PathLike, model: Any) -> GgufBlocks | None:
             rows = torch.cat(pieces)
             if rows.shape[0] != weight.shape[0]:
                 return None
-            order = _row_order(weight, dequantize(rows, k))
+            order = _row_order(weight, dequantize(rows, k).to(weight.dtype))
             if order is None:
                 log.info("no Q4_1 blocks: layer %d %s is not its GGUF blocks' values", i, name)
                 return None
@@ -139,6 +141,6 @@ def _head_blocks(tensors: dict[str, Any], data: np.ndarray, head: torch.Tensor
         if (t is not None and t.ggml_type == Q8_0 and not k % BLOCK and t.dims[0] == k
                 and int(np.prod(t.dims[1:])) == head.shape[0]):
             rows = _rows(data, t, k)
-            if torch.equal(dequantize(rows, k, Q8_0), head):
+            if torch.equal(dequantize(rows, k, Q8_0).to(head.dtype), head):
                 return rows
     return None

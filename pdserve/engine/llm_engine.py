@@ -231,10 +231,9 @@ class LLMEngine:
         self.model.gguf_blocks = blocks
         if blocks is not None:
             log.info("decode steps of 1-4 sequences stream the weights' GGUF blocks (%.0f MB; "
-                     "the LM head's %s), the same values as the float32 rows (matched in "
-                     "%.1fs)", blocks.nbytes / 1e6,
-                     "too" if blocks.head is not None else "float32 rows",
-                     time.perf_counter() - t0)
+                     "the LM head's %s), the same values as the %s rows (matched in %.1fs)",
+                     blocks.nbytes / 1e6, "too" if blocks.head is not None else "rows",
+                     self.config.dtype, time.perf_counter() - t0)
 
     def step(self) -> list[SeqDelta]:
         if self.overlap is not None:

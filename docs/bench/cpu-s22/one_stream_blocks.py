@@ -1,8 +1,8 @@
-"""One float32 stream decoded in process, with the default model's GGUF blocks streamed or
-not: ms per step over three 128-token prompts of 200 greedy tokens each, and the tokens
-written to /tmp/blocks-tokens-B.json to compare the two runs.
+"""One stream decoded in process, with the default model's GGUF blocks streamed or not: ms
+per step over three 128-token prompts of 200 greedy tokens each, and the tokens written to
+/tmp/blocks-tokens-B.json to compare the two runs.
 
-    BLOCKS=1|0 OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 \\
+    DTYPE=float32|bfloat16 BLOCKS=1|0 OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 \\
         python docs/bench/cpu-s22/one_stream_blocks.py
 """
 
@@ -16,8 +16,9 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protocol import SamplingParams
 
 ON = os.environ.get("BLOCKS", "1") == "1"
-eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", num_threads=2,
-                             show_progress=False, gguf_blocks=ON, enable_prefix_caching=False))
+eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype=os.environ.get("DTYPE", "float32"),
+                             num_threads=2, show_progress=False, gguf_blocks=ON,
+                             enable_prefix_caching=False))
 rng = random.Random(1)
 outs = []
 for rnd in range(3):

@@ -86,10 +86,10 @@ void gv_widen(const void *x, int64_t x_stride, float *xf, int64_t M, int64_t K, 
 size_t gv_xbuf_bytes(int64_t M, int64_t K, int q8);
 void gv_rows(const float *xf, const void *w, const float *scales, void *y, int64_t y_stride,
              int64_t M, int64_t n0, int64_t n1, int64_t K, int dt);
-void blocks_rows(const float *xf, const uint8_t *w, int fmt, float *y, int64_t y_stride,
-                 int64_t M, int64_t n0, int64_t n1, int64_t K);
+void blocks_rows(const void *x, const uint8_t *w, int fmt, void *y, int64_t y_stride,
+                 int64_t M, int64_t n0, int64_t n1, int64_t K, int dt);
 int64_t blocks_row_bytes(int64_t K, int fmt);
-int blocks_fast(void);
+int blocks_fast(int dt);
 void lo_add_rms_norm(void *x, int64_t x_stride, const void *delta, const void *weight,
                      void *out, int64_t T, int H, float eps, int dt, int num_threads);
 int64_t lo_rope(void *qk, int64_t row_stride, const int64_t *positions, const void *cos_t,
@@ -215,7 +215,7 @@ struct ds_model {
 struct ds_head {
     const void *w;
     const float *scales;
-    const void *blocks; /* NULL, or w as GGUF Q8_0 blocks (a float32 model's tied embedding) */
+    const void *blocks; /* NULL, or w as GGUF Q8_0 blocks (the tied embedding's) */
     const void *packed;
     int64_t V;
     void *logits;
@@ -464,7 +464,7 @@ static void gv_cols(const float *xf, const void *w, const float *scales, struct 
                     int dt)
 {
     if (bl.w)
-        blocks_rows(xf, bl.w, bl.fmt, y, y_stride, M, n0, n1, K);
+        blocks_rows(xf, bl.w, bl.fmt, y, y_stride, M, n0, n1, K, dt);
     else
         gv_rows(xf, w, scales, y, y_stride, M, n0, n1, K, dt);
 }
@@ -641,17 +641,16 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
  * row; the norms' entries unused), the activations then staying float32 for them; cache:
  * the [L, 2, num_blocks, block_size, Hkv, D] KV cache; x [M, H] the residual stream (the
  * embeddings in, updated in place); out [M, H] the final norm of the last residual;
- * blocks: NULL, or 6 per layer likewise (a float32 model, no scales): each projection's GGUF
- * Q4_1 blocks, which the GEMV then streams instead of its float32 rows (q4_blocks.c; the
- * head's Q8_0 blocks come in struct ds_head);
+ * blocks: NULL, or 6 per layer likewise (no scales): each projection's GGUF Q4_1 blocks,
+ * which the GEMV then streams instead of its rows (q4_blocks.c; the head's Q8_0 blocks come
+ * in struct ds_head);
  * head: NULL, or the LM head, whose logits are then computed too (struct ds_head);
  * packed: NULL, or 6 per layer likewise, the projections packed for the batched kernels
  * (al_pack or bp_pack for bfloat16, fp_pack for float32): then the batched form above runs.
  * Returns 0; -1 no memory; -2 a position outside the RoPE tables; -3 the attention kernel
  * failed; -4 a slot outside the cache (nothing written); -5 packed weights given where this
- * build or machine lacks the batched kernel (nothing written); -6 blocks given for a model
- * that is not float32 or is int8, or to a build without their vector form (nothing
- * written). */
+ * build or machine lacks the batched kernel (nothing written); -6 blocks given for an int8
+ * model, or to a build without their vector form for its dtype (nothing written). */
 int ds_decode_layers(const struct ds_model *m, const void *const *weights,
                      const float *const *scales, const void *const *blocks,
                      const void *const *packed,
@@ -664,7 +663,7 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     for (int64_t b = 0; b < M; b++)
         if (slots[b] < 0 || slots[b] >= num_slots)
             return -4;
-    if ((blocks || (head && head->blocks)) && (m->dt != DT_F32 || scales || !blocks_fast()))
+    if ((blocks || (head && head->blocks)) && (scales || !blocks_fast(m->dt)))
         return -6;
     if (packed && !(m->dt == DT_BF16 ? al_available() || bp_available() : fp_available()))
         return -5;

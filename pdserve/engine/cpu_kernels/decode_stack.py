@@ -49,8 +49,8 @@ _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers")
            -4: (ValueError, "a slot is outside the KV cache"),
            -5: (RuntimeError, "the batched decode stack's kernel (AMX tiles, AVX-512 "
                               "or AVX512-BF16 panels) is missing from this build or machine"),
-           -6: (ValueError, "GGUF blocks are read only under a float32 model without int8, "
-                            "by a build with their vector form")}
+           -6: (ValueError, "GGUF blocks are read only without int8, by a build with their "
+                            "vector form for the model's dtype")}
 
 
 def _packed_pointers(layer_weights: list[torch.Tensor]) -> ctypes.Array | None:

@@ -108,11 +108,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ds_redone.argtypes = []
     lib.ds_redone.restype = ctypes.c_int64
     # q4_blocks.c
-    lib.blocks_linear.argtypes = [p, p, i32, p, i64, i64, i64, i32]
+    lib.blocks_linear.argtypes = [p, p, i32, p, i64, i64, i64, i32, i32]
     lib.blocks_linear.restype = None
     lib.blocks_dequant.argtypes = [p, i32, i64, i64, p]
     lib.blocks_dequant.restype = None
-    lib.blocks_fast.argtypes = []
+    lib.blocks_fast.argtypes = [i32]
     lib.blocks_fast.restype = i32
     # crc_copy.c
     lib.cc_copy_crc32c.argtypes = [p, p, i64, ctypes.c_uint32, i32]

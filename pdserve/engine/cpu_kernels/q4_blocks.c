@@ -1,5 +1,5 @@
 /* y = x @ W^T over W kept in the GGUF Q4_1 blocks it was de-quantized from, for a float32
- * model's decode rows.
+ * or bfloat16 model's decode rows.
  *
  * A Q4_1 block is 32 weights of one row in 20 bytes: a float16 scale d, a float16 offset m,
  * and 16 bytes of 4-bit codes q (byte j: weight j in its low nibble, weight j + 16 in its
@@ -7,7 +7,9 @@
  * de-quantizes in float32, and d * q is exact there: 11 by 4 significant bits), so a row
  * rebuilt here equals the model's row bit for bit (checked per row at load,
  * pdserve.engine.gguf_blocks) and the products are the float32 GEMV's, summed in another
- * order. What changes is the bytes per weight streamed from memory: 0.625 instead of 4.
+ * order. What changes is the bytes per weight streamed from memory: 0.625 instead of 4 (or
+ * of bfloat16's 2: a bfloat16 model holds those values rounded, and they are rounded so
+ * here).
  *
  * Per block the 16 values d * q + m (q = 0..15) are built with one FMA, exactly as the
  * loader rounds them, and the 32 weights are looked up from them by their codes.
@@ -97,11 +99,12 @@ void q80_dequant_row(const uint8_t *row, int64_t K, float *out)
 /* The vector forms sum in the row GEMV's order (gemv.c's dot_row for nb rows of x): U
  * accumulators per row of x (4 at one row, 2 at two, else 1), step s of the row (16
  * weights) into accumulator s % U while a whole group of U steps is left, then into the
- * first; the accumulators added in order, then across the vector. From two rows of x on,
- * a row's blocks give the GEMV's result bit for bit; at one row within a rounding (gcc
- * may re-associate the final adds under -ffast-math). */
+ * first; the accumulators added in order, then across the vector, written as gemv.c writes
+ * them (one function per row count, U a constant: under -ffast-math gcc may re-associate
+ * those adds, and code written alike compiles alike). A row's blocks then give the GEMV's
+ * result bit for bit (tests/test_gguf_blocks.py). */
 
-/* The accumulators' sum, written as gemv.c's dot products write it with U a constant. */
+/* The accumulators' sum, as gemv.c's dot products add them. */
 #define ACC_SUM_U(U)                                                                          \
     static inline float acc_sum_##U(__m512 *acc)                                              \
     {                                                                                         \
@@ -214,10 +217,108 @@ static void row_dot(const uint8_t *row, int fmt, const float *x, int64_t K, int 
     default: q41_dot_4(row, x, K, out); break;
     }
 }
-#else
-/* Any CPU: each block de-quantized, then multiplied. For tests and builds without the
- * vector form (blocks_fast says the engine should not stream blocks there). */
-static void row_dot(const uint8_t *row, int fmt, const float *x, int64_t K, int nb, float *out)
+#endif
+
+#if defined(BLOCKS_AVX512) && defined(__AVX512BF16__)
+#define BLOCKS_BF16_AVX512 1
+/* A bfloat16 model holds the float32 values rounded to bfloat16 (nearest, even), and so
+ * they are rounded here (vcvtneps2bf16 rounds so; no block value is subnormal in float32):
+ * a Q4_1 block's 16 values once, then its 32 weights looked up as words; a Q8_0 block's 32.
+ * x stays bfloat16, and pairs are multiplied on vdpbf16ps as gemv.c's dot_bf16 does, in its
+ * order (U accumulators, step = one block of 32). */
+static inline __m512bh q41_weights_bf16(const uint8_t *p)
+{
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* byte j of the 16 codes into the low byte of words j and j + 16 */
+    const __m512i spread = _mm512_set_epi16(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1,
+                                            0, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                            1, 0);
+    /* words j < 16 take the low nibble, words j + 16 the high one; vpermw reads an index's
+     * low 5 bits and the table is in both halves, so bit 4 does not matter */
+    const __m512i shift = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0,
+                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    int32_t dm32;
+    memcpy(&dm32, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm32));
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_broadcastss_ps(dm),
+                                         _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+    const __m512i table16 = _mm512_broadcast_i64x4((__m256i)_mm512_cvtneps_pbh(table));
+    const __m512i codes = _mm512_permutexvar_epi8(
+        spread, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + 4))));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(codes, shift), table16);
+}
+
+static inline __m512bh q80_weights_bf16(const uint8_t *p)
+{
+    __m512 w0, w1;
+    q80_weights(p, &w0, &w1);
+    return _mm512_cvtne2ps_pbh(w1, w0); /* w0 in the low half */
+}
+
+#define DEFINE_BLOCKS_DOT_BF16(NAME, WEIGHTS, BYTES, NB, U)                                   \
+    static void NAME##_##NB(const uint8_t *row, const uint16_t *x, int64_t K, float *out)    \
+    {                                                                                         \
+        __m512 acc[NB][U];                                                                    \
+        for (int r = 0; r < NB; r++)                                                          \
+            for (int u = 0; u < U; u++)                                                       \
+                acc[r][u] = _mm512_setzero_ps();                                              \
+        const int64_t blocks = K / BLOCK_WEIGHTS;                                             \
+        int64_t b = 0;                                                                        \
+        for (const int64_t grouped = blocks / U * U; b < grouped; b += U)                     \
+            for (int j = 0; j < U; j++) {                                                     \
+                const uint8_t *p = row + (b + j) * BYTES;                                     \
+                _mm_prefetch((const char *)p + BLOCKS_PREFETCH_AHEAD, _MM_HINT_T0);           \
+                const __m512bh w = WEIGHTS(p);                                                \
+                for (int r = 0; r < NB; r++)                                                  \
+                    acc[r][j] = _mm512_dpbf16_ps(                                             \
+                        acc[r][j], w,                                                         \
+                        (__m512bh)_mm512_loadu_si512(x + r * K + (b + j) * BLOCK_WEIGHTS));   \
+            }                                                                                 \
+        for (; b < blocks; b++) {                                                             \
+            const uint8_t *p = row + b * BYTES;                                               \
+            const __m512bh w = WEIGHTS(p);                                                    \
+            for (int r = 0; r < NB; r++)                                                      \
+                acc[r][0] = _mm512_dpbf16_ps(                                                 \
+                    acc[r][0], w, (__m512bh)_mm512_loadu_si512(x + r * K + b * BLOCK_WEIGHTS)); \
+        }                                                                                     \
+        for (int r = 0; r < NB; r++)                                                          \
+            out[r] = acc_sum_##U(acc[r]);                                                     \
+    }
+DEFINE_BLOCKS_DOT_BF16(q41_dot_bf16, q41_weights_bf16, Q41_BYTES, 1, 4)
+DEFINE_BLOCKS_DOT_BF16(q41_dot_bf16, q41_weights_bf16, Q41_BYTES, 2, 2)
+DEFINE_BLOCKS_DOT_BF16(q41_dot_bf16, q41_weights_bf16, Q41_BYTES, 3, 1)
+DEFINE_BLOCKS_DOT_BF16(q41_dot_bf16, q41_weights_bf16, Q41_BYTES, 4, 1)
+DEFINE_BLOCKS_DOT_BF16(q80_dot_bf16, q80_weights_bf16, Q80_BYTES, 1, 4)
+DEFINE_BLOCKS_DOT_BF16(q80_dot_bf16, q80_weights_bf16, Q80_BYTES, 2, 2)
+DEFINE_BLOCKS_DOT_BF16(q80_dot_bf16, q80_weights_bf16, Q80_BYTES, 3, 1)
+DEFINE_BLOCKS_DOT_BF16(q80_dot_bf16, q80_weights_bf16, Q80_BYTES, 4, 1)
+
+static void row_dot_bf16(const uint8_t *row, int fmt, const uint16_t *x, int64_t K, int nb,
+                         float *out)
+{
+    if (fmt == BLOCKS_Q8_0) {
+        switch (nb) {
+        case 1: q80_dot_bf16_1(row, x, K, out); break;
+        case 2: q80_dot_bf16_2(row, x, K, out); break;
+        case 3: q80_dot_bf16_3(row, x, K, out); break;
+        default: q80_dot_bf16_4(row, x, K, out); break;
+        }
+        return;
+    }
+    switch (nb) {
+    case 1: q41_dot_bf16_1(row, x, K, out); break;
+    case 2: q41_dot_bf16_2(row, x, K, out); break;
+    case 3: q41_dot_bf16_3(row, x, K, out); break;
+    default: q41_dot_bf16_4(row, x, K, out); break;
+    }
+}
+#endif
+
+/* Any CPU: each block de-quantized (rounded to bfloat16 for dt DT_BF16), then multiplied
+ * with x (float32, or bfloat16 for DT_BF16). For tests, and builds without a vector form for
+ * dt (blocks_fast: the engine does not stream blocks there). */
+static void scalar_dot(const uint8_t *row, int fmt, const void *x, int dt, int64_t K, int nb,
+                       float *out)
 {
     const int64_t bytes = fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES;
     float w[BLOCK_WEIGHTS];
@@ -230,23 +331,52 @@ static void row_dot(const uint8_t *row, int fmt, const float *x, int64_t K, int 
             q41_dequant_row(row + b * bytes, BLOCK_WEIGHTS, w);
         for (int r = 0; r < nb; r++) {
             float s = 0.0f;
-            for (int j = 0; j < BLOCK_WEIGHTS; j++)
-                s += w[j] * x[r * K + b * BLOCK_WEIGHTS + j];
+            for (int j = 0; j < BLOCK_WEIGHTS; j++) {
+                const int64_t at = r * K + b * BLOCK_WEIGHTS + j;
+                if (dt == DT_BF16)
+                    s += bf16_to_f32(f32_to_bf16(w[j])) * bf16_to_f32(((const uint16_t *)x)[at]);
+                else
+                    s += w[j] * ((const float *)x)[at];
+            }
             out[r] += s;
         }
     }
 }
-#endif
 
-/* Whether this build streams blocks faster than float32 rows: its vector form (AVX-512 with
- * VBMI). Elsewhere the scalar form is slower than the rows, and the engine keeps the rows. */
-int blocks_fast(void)
+/* Whether this build streams blocks for a model of dtype dt faster than its rows: a vector
+ * form (AVX-512 with VBMI; for bfloat16 AVX512-BF16 too). Elsewhere the scalar form is
+ * slower than the rows, and the engine keeps the rows. */
+int blocks_fast(int dt)
 {
-#ifdef BLOCKS_AVX512
-    return 1;
-#else
-    return 0;
+#ifdef BLOCKS_BF16_AVX512
+    if (dt == DT_BF16)
+        return 1;
 #endif
+#ifdef BLOCKS_AVX512
+    if (dt == DT_F32)
+        return 1;
+#endif
+    (void)dt;
+    return 0;
+}
+
+/* One block row's dot products with nb <= 4 rows of x (row stride K, dtype dt). */
+static void any_row_dot(const uint8_t *row, int fmt, const void *x, int dt, int64_t K, int nb,
+                        float *out)
+{
+#ifdef BLOCKS_BF16_AVX512
+    if (dt == DT_BF16) {
+        row_dot_bf16(row, fmt, x, K, nb, out);
+        return;
+    }
+#endif
+#ifdef BLOCKS_AVX512
+    if (dt == DT_F32) {
+        row_dot(row, fmt, x, K, nb, out);
+        return;
+    }
+#endif
+    scalar_dot(row, fmt, x, dt, K, nb, out);
 }
 
 /* Bytes of one row of K weights in blocks of format fmt (BLOCKS_Q4_1 or BLOCKS_Q8_0). */
@@ -255,34 +385,42 @@ int64_t blocks_row_bytes(int64_t K, int fmt)
     return K / BLOCK_WEIGHTS * (fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES);
 }
 
-/* Columns [n0, n1) of y [M, N] (row stride y_stride, float32) for the M rows of xf
- * (float32 [M, K]); w: N rows of K / 32 blocks of format fmt. M <= 4 per pass (the rows of
- * a decode step's GEMV), more in passes of 4. */
-void blocks_rows(const float *xf, const uint8_t *w, int fmt, float *y, int64_t y_stride,
-                 int64_t M, int64_t n0, int64_t n1, int64_t K)
+/* Columns [n0, n1) of y [M, N] (row stride y_stride, dtype dt) for the M rows of x (dtype
+ * dt, [M, K], as the decode stack prepares them: bfloat16 stays bfloat16); w: N rows of
+ * K / 32 blocks of format fmt. M <= 4 per pass (the rows of a decode step's GEMV), more in
+ * passes of 4. */
+void blocks_rows(const void *x, const uint8_t *w, int fmt, void *y, int64_t y_stride,
+                 int64_t M, int64_t n0, int64_t n1, int64_t K, int dt)
 {
     const int64_t row_bytes = blocks_row_bytes(K, fmt);
+    const size_t es = dt == DT_F32 ? 4 : 2;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t b0 = 0; b0 < M; b0 += 4) {
             const int nb = M - b0 < 4 ? (int)(M - b0) : 4;
             float out[4];
-            row_dot(w + n * row_bytes, fmt, xf + b0 * K, K, nb, out);
-            for (int b = 0; b < nb; b++)
-                y[(b0 + b) * y_stride + n] = out[b];
+            any_row_dot(w + n * row_bytes, fmt, (const char *)x + (size_t)(b0 * K) * es, dt, K,
+                        nb, out);
+            for (int b = 0; b < nb; b++) {
+                const int64_t at = (b0 + b) * y_stride + n;
+                if (dt == DT_F32)
+                    ((float *)y)[at] = out[b];
+                else
+                    ((uint16_t *)y)[at] = f32_to_bf16(out[b]);
+            }
         }
 }
 
-/* y [M, N] = x [M, K] @ W^T, everything float32 and contiguous, W as blocks of format fmt;
+/* y [M, N] = x [M, K] @ W^T, x and y of dtype dt and contiguous, W as blocks of format fmt;
  * K a multiple of 32. For tests and harnesses (the decode stack calls blocks_rows). */
-void blocks_linear(const float *x, const uint8_t *w, int fmt, float *y, int64_t M, int64_t N,
-                   int64_t K, int num_threads)
+void blocks_linear(const void *x, const uint8_t *w, int fmt, void *y, int64_t M, int64_t N,
+                   int64_t K, int dt, int num_threads)
 {
     const int threads = N * K >= 65536 && num_threads > 1 ? num_threads : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t n0, n1;
         team_share(N, &n0, &n1);
-        blocks_rows(x, w, fmt, y, N, M, n0, n1, K);
+        blocks_rows(x, w, fmt, y, N, M, n0, n1, K, dt);
     }
 }
 
