@@ -78,6 +78,15 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
+/* A float32 sum into element `at` of y (dtype dt), rounded once for bfloat16. */
+static inline void store_sum(void *y, int64_t at, float v, int dt)
+{
+    if (dt == DT_F32)
+        ((float *)y)[at] = v;
+    else
+        ((uint16_t *)y)[at] = f32_to_bf16(v);
+}
+
 /* Eight floats as one value, for the portable loops that must keep their accumulators in
  * registers (written as float arrays indexed in an inner loop, gcc left them on the stack):
  * gcc lowers a vf8 to one AVX register, or two SSE ones. Loads and stores go through

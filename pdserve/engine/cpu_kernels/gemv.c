@@ -582,13 +582,8 @@ void gv_rows(const float *xf, const void *w, const float *scales, void *y, int64
             } else {
                 dot_row(wr, x_rows(xf, b0 * K, dt), K, nb, dt, out);
             }
-            for (int b = 0; b < nb; b++) {
-                const int64_t at = (b0 + b) * y_stride + n;
-                if (dt == DT_F32)
-                    ((float *)y)[at] = out[b];
-                else
-                    ((uint16_t *)y)[at] = f32_to_bf16(out[b]);
-            }
+            for (int b = 0; b < nb; b++)
+                store_sum(y, (b0 + b) * y_stride + n, out[b], dt);
         }
     }
 }

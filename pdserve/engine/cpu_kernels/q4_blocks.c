@@ -189,33 +189,22 @@ static inline void q80_weights(const uint8_t *p, __m512 *w0, __m512 *w1)
         for (int r = 0; r < NB; r++)                                                          \
             out[r] = acc_sum_##U(acc[r]);                                                     \
     }
-DEFINE_BLOCKS_DOT(q41_dot, q41_weights, Q41_BYTES, 1, 4)
-DEFINE_BLOCKS_DOT(q41_dot, q41_weights, Q41_BYTES, 2, 2)
-DEFINE_BLOCKS_DOT(q41_dot, q41_weights, Q41_BYTES, 3, 1)
-DEFINE_BLOCKS_DOT(q41_dot, q41_weights, Q41_BYTES, 4, 1)
-DEFINE_BLOCKS_DOT(q80_dot, q80_weights, Q80_BYTES, 1, 4)
-DEFINE_BLOCKS_DOT(q80_dot, q80_weights, Q80_BYTES, 2, 2)
-DEFINE_BLOCKS_DOT(q80_dot, q80_weights, Q80_BYTES, 3, 1)
-DEFINE_BLOCKS_DOT(q80_dot, q80_weights, Q80_BYTES, 4, 1)
+/* Each form for 1-4 rows of x, with gemv.c's accumulators per row count. */
+#define FOR_ROW_COUNTS(DEFINE, NAME, WEIGHTS, BYTES)                                          \
+    DEFINE(NAME, WEIGHTS, BYTES, 1, 4)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 2, 2)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 3, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 4, 1)
+FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT, q41_dot, q41_weights, Q41_BYTES)
+FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT, q80_dot, q80_weights, Q80_BYTES)
 
 /* Dot products of one block row (format fmt) with nb <= 4 rows of x (row stride K). */
 static void row_dot(const uint8_t *row, int fmt, const float *x, int64_t K, int nb, float *out)
 {
-    if (fmt == BLOCKS_Q8_0) {
-        switch (nb) {
-        case 1: q80_dot_1(row, x, K, out); break;
-        case 2: q80_dot_2(row, x, K, out); break;
-        case 3: q80_dot_3(row, x, K, out); break;
-        default: q80_dot_4(row, x, K, out); break;
-        }
-        return;
-    }
-    switch (nb) {
-    case 1: q41_dot_1(row, x, K, out); break;
-    case 2: q41_dot_2(row, x, K, out); break;
-    case 3: q41_dot_3(row, x, K, out); break;
-    default: q41_dot_4(row, x, K, out); break;
-    }
+    typedef void (*dot)(const uint8_t *, const float *, int64_t, float *);
+    static const dot q41[4] = {q41_dot_1, q41_dot_2, q41_dot_3, q41_dot_4};
+    static const dot q80[4] = {q80_dot_1, q80_dot_2, q80_dot_3, q80_dot_4};
+    (fmt == BLOCKS_Q8_0 ? q80 : q41)[nb - 1](row, x, K, out);
 }
 #endif
 
@@ -284,33 +273,16 @@ static inline __m512bh q80_weights_bf16(const uint8_t *p)
         for (int r = 0; r < NB; r++)                                                          \
             out[r] = acc_sum_##U(acc[r]);                                                     \
     }
-DEFINE_BLOCKS_DOT_BF16(q41_dot_bf16, q41_weights_bf16, Q41_BYTES, 1, 4)
-DEFINE_BLOCKS_DOT_BF16(q41_dot_bf16, q41_weights_bf16, Q41_BYTES, 2, 2)
-DEFINE_BLOCKS_DOT_BF16(q41_dot_bf16, q41_weights_bf16, Q41_BYTES, 3, 1)
-DEFINE_BLOCKS_DOT_BF16(q41_dot_bf16, q41_weights_bf16, Q41_BYTES, 4, 1)
-DEFINE_BLOCKS_DOT_BF16(q80_dot_bf16, q80_weights_bf16, Q80_BYTES, 1, 4)
-DEFINE_BLOCKS_DOT_BF16(q80_dot_bf16, q80_weights_bf16, Q80_BYTES, 2, 2)
-DEFINE_BLOCKS_DOT_BF16(q80_dot_bf16, q80_weights_bf16, Q80_BYTES, 3, 1)
-DEFINE_BLOCKS_DOT_BF16(q80_dot_bf16, q80_weights_bf16, Q80_BYTES, 4, 1)
+FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT_BF16, q41_dot_bf16, q41_weights_bf16, Q41_BYTES)
+FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT_BF16, q80_dot_bf16, q80_weights_bf16, Q80_BYTES)
 
 static void row_dot_bf16(const uint8_t *row, int fmt, const uint16_t *x, int64_t K, int nb,
                          float *out)
 {
-    if (fmt == BLOCKS_Q8_0) {
-        switch (nb) {
-        case 1: q80_dot_bf16_1(row, x, K, out); break;
-        case 2: q80_dot_bf16_2(row, x, K, out); break;
-        case 3: q80_dot_bf16_3(row, x, K, out); break;
-        default: q80_dot_bf16_4(row, x, K, out); break;
-        }
-        return;
-    }
-    switch (nb) {
-    case 1: q41_dot_bf16_1(row, x, K, out); break;
-    case 2: q41_dot_bf16_2(row, x, K, out); break;
-    case 3: q41_dot_bf16_3(row, x, K, out); break;
-    default: q41_dot_bf16_4(row, x, K, out); break;
-    }
+    typedef void (*dot)(const uint8_t *, const uint16_t *, int64_t, float *);
+    static const dot q41[4] = {q41_dot_bf16_1, q41_dot_bf16_2, q41_dot_bf16_3, q41_dot_bf16_4};
+    static const dot q80[4] = {q80_dot_bf16_1, q80_dot_bf16_2, q80_dot_bf16_3, q80_dot_bf16_4};
+    (fmt == BLOCKS_Q8_0 ? q80 : q41)[nb - 1](row, x, K, out);
 }
 #endif
 
@@ -400,13 +372,8 @@ void blocks_rows(const void *x, const uint8_t *w, int fmt, void *y, int64_t y_st
             float out[4];
             any_row_dot(w + n * row_bytes, fmt, (const char *)x + (size_t)(b0 * K) * es, dt, K,
                         nb, out);
-            for (int b = 0; b < nb; b++) {
-                const int64_t at = (b0 + b) * y_stride + n;
-                if (dt == DT_F32)
-                    ((float *)y)[at] = out[b];
-                else
-                    ((uint16_t *)y)[at] = f32_to_bf16(out[b]);
-            }
+            for (int b = 0; b < nb; b++)
+                store_sum(y, (b0 + b) * y_stride + n, out[b], dt);
         }
 }
 
