@@ -97,16 +97,15 @@ class Row:
 def weight_bytes(model) -> int:
     """Bytes of the weights one decode step reads in full: every layer's linears and the
     output projection (the embedding is read one row per token, the norms are tiny); their
-    int8 copies where the model is quantized, the linears' Q4_1 blocks where it streams
-    those (pdserve.engine.gguf_blocks)."""
+    int8 copies where the model is quantized, their GGUF blocks where it streams those
+    (pdserve.engine.gguf_blocks; the head's own rows where it has no blocks)."""
     if model.lm_head_int8 is not None:
         return model.lm_head_int8.nbytes + sum(q.nbytes for lw in model.layers
                                                for q in lw.int8.values())
     n = model.lm_head.numel() * model.lm_head.element_size()
     blocks = model.gguf_blocks
     if blocks is not None:
-        n = blocks.nbytes if blocks.head is not None else n + blocks.nbytes
-        return n
+        return blocks.nbytes + (n if blocks.head is None else 0)
     for lw in model.layers:
         for t in (lw.qkv, lw.o, lw.gate_up, lw.down):
             n += t.numel() * t.element_size()

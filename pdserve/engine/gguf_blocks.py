@@ -45,6 +45,11 @@ FUSED = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
          "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 
 
+def row_bytes(k: int, ggml_type: int) -> int:
+    """Bytes of one row of k weights as blocks of `ggml_type` (Q4_1 or Q8_0)."""
+    return k // BLOCK * FORMATS[ggml_type][0]
+
+
 @dataclass(frozen=True)
 class GgufBlocks:
     """What the decode stack streams instead of the model's rows."""
@@ -91,7 +96,7 @@ def _row_order(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
 def _rows(data: np.ndarray, t: Any, k: int) -> torch.Tensor:
     """A 2-D tensor's blocks from the mapped file, uint8 [rows, K / 32 * block bytes]."""
     n_rows = int(np.prod(t.dims[1:]))
-    size = n_rows * (k // BLOCK) * FORMATS[t.ggml_type][0]
+    size = n_rows * row_bytes(k, t.ggml_type)
     return torch.from_numpy(np.array(data[t.offset:t.offset + size])).reshape(n_rows, -1)
 
 

@@ -159,7 +159,7 @@ class LlamaModel:
 
             prepack_cpu_copies(self.linear, [getattr(lw, n) for lw in self.layers
                                              for n in PROJECTIONS] + [self.lm_head])
-        # a float32 model's weights as the GGUF blocks they came from, for the decode stack
+        # the model's weights as the GGUF blocks they came from, for the decode stack
         # (pdserve.engine.gguf_blocks.GgufBlocks; set by the engine where it has them)
         self.gguf_blocks: Any = None
         self._decode_stack: tuple[PagedKVCache, Any] | None = None

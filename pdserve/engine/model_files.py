@@ -206,7 +206,7 @@ EXPORT_FORMAT = 1  # bumped when the export's contents change
 class GgufTensor:
     """One entry of a GGUF's tensor index."""
 
-    ggml_type: int  # 2: Q4_1, 8: Q8_0, 0: F32, ...
+    ggml_type: int  # 0: F32, 3: Q4_1, 8: Q8_0, ...
     dims: tuple[int, ...]  # innermost first, as GGUF lists them
     offset: int  # from the file's start
 

@@ -17,8 +17,7 @@
 
 #define DT_F32 0
 #define DT_BF16 1
-/* weights kept as GGUF blocks (q4_blocks.c): none, Q4_1, Q8_0 */
-#define BLOCKS_NONE 0
+/* weights kept as GGUF blocks (q4_blocks.c): Q4_1, Q8_0 */
 #define BLOCKS_Q4_1 1
 #define BLOCKS_Q8_0 2
 #define INLINE static inline __attribute__((always_inline))

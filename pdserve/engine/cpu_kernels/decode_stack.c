@@ -435,27 +435,33 @@ static int wait_flag(const uint8_t *flag)
     }
 }
 
-/* Output columns per GEMV run: GV_RUN_BYTES of weight rows of K inputs (GGUF blocks of
- * format fmt where it is not BLOCKS_NONE, else int8 where q8, else dt). */
-static int64_t gv_run_cols(int64_t K, int q8, int dt, int fmt)
-{
-    const int64_t row_bytes = fmt != BLOCKS_NONE ? blocks_row_bytes(K, fmt)
-                                                 : K * (q8 ? 1 : dt == DT_F32 ? 4 : 2);
-    return GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
-}
-
-/* The runs of a projection with N outputs over K inputs. */
-static int64_t gv_runs(int64_t N, int64_t K, int q8, int dt, int fmt)
-{
-    const int64_t run = gv_run_cols(K, q8, dt, fmt);
-    return (N + run - 1) / run;
-}
-
-/* A projection's GGUF blocks (a float32 model's), or none: w's rows are read then. */
+/* A projection's GGUF blocks and their format (BLOCKS_Q4_1, BLOCKS_Q8_0), or w NULL: its
+ * rows are read then. */
 struct blocks_ref {
     const void *w;
     int fmt;
 };
+
+static inline struct blocks_ref q41_ref(const void *w)
+{
+    return (struct blocks_ref){w, BLOCKS_Q4_1};
+}
+
+/* Output columns per GEMV run: GV_RUN_BYTES of weight rows of K inputs (its GGUF blocks where
+ * bl has them, else int8 where q8, else dt). */
+static int64_t gv_run_cols(int64_t K, int q8, int dt, struct blocks_ref bl)
+{
+    const int64_t row_bytes = bl.w ? blocks_row_bytes(K, bl.fmt)
+                                   : K * (q8 ? 1 : dt == DT_F32 ? 4 : 2);
+    return GV_RUN_BYTES / row_bytes > 0 ? GV_RUN_BYTES / row_bytes : 1;
+}
+
+/* The runs of a projection with N outputs over K inputs. */
+static int64_t gv_runs(int64_t N, int64_t K, int q8, int dt, struct blocks_ref bl)
+{
+    const int64_t run = gv_run_cols(K, q8, dt, bl);
+    return (N + run - 1) / run;
+}
 
 /* Columns [n0, n1) of a projection: over its GGUF blocks where it has them, else over w (and
  * its int8 scales). */
@@ -475,8 +481,8 @@ static void gv_share_redo(const struct team *tm, int64_t step, uint8_t *flags, c
                           const void *w, const float *scales, struct blocks_ref bl, void *y,
                           int64_t y_stride, int64_t M, int64_t N, int64_t K, int dt)
 {
-    const int q8 = scales != NULL, fmt = bl.w ? bl.fmt : BLOCKS_NONE;
-    const int64_t run = gv_run_cols(K, q8, dt, fmt), R = gv_runs(N, K, q8, dt, fmt);
+    const int q8 = scales != NULL;
+    const int64_t run = gv_run_cols(K, q8, dt, bl), R = gv_runs(N, K, q8, dt, bl);
     for (int64_t r, r1; take(tm, step, R, 1, &r, &r1);) {
         claimed();
         gv_cols(xf, w, scales, bl, y, y_stride, M, r * run, min64((r + 1) * run, N), K,
@@ -507,7 +513,7 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
                        const void *sin_t, int64_t M, int num_threads)
 {
     const int dt = m->dt;
-    const int q8 = scales != NULL, fmt = blocks ? BLOCKS_Q4_1 : BLOCKS_NONE;
+    const int q8 = scales != NULL;
     static const float *const no_scales[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     static const void *const no_blocks[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     const size_t es = dt == DT_F32 ? 4 : 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
@@ -527,17 +533,19 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
     const size_t xf_bytes = xf_layers > xf_head ? xf_layers : xf_head;
     const size_t own_bytes = 2 * up64((size_t)(M * H) * es) + up64((size_t)(M * QKV) * es)
                              + up64((size_t)(M * I) * es) + up64(xf_bytes);
-    const int64_t runs[P_COUNT] = {gv_runs(QKV, H, q8, dt, fmt), gv_runs(H, QD, q8, dt, fmt),
-                                   gv_runs(2 * I, H, q8, dt, fmt),
-                                   gv_runs(H, I, q8, dt, fmt),
+    /* every layer's projections have blocks, or none has: the first layer's say which */
+    const void *const *bl0 = blocks ? blocks : no_blocks;
+    const int64_t runs[P_COUNT] = {gv_runs(QKV, H, q8, dt, q41_ref(bl0[1])),
+                                   gv_runs(H, QD, q8, dt, q41_ref(bl0[2])),
+                                   gv_runs(2 * I, H, q8, dt, q41_ref(bl0[4])),
+                                   gv_runs(H, I, q8, dt, q41_ref(bl0[5])),
                                    M * m->Hkv /* attention's items, at most */};
     int64_t max_runs = 0;
     for (int p = 0; p < P_COUNT; p++)
         max_runs = runs[p] > max_runs ? runs[p] : max_runs;
     const int head_q8 = head && head->scales;
     const struct blocks_ref head_bl = {head ? head->blocks : NULL, BLOCKS_Q8_0};
-    const int64_t head_runs = head ? gv_runs(head->V, H, head_q8, dt,
-                                             head_bl.w ? BLOCKS_Q8_0 : BLOCKS_NONE) : 0;
+    const int64_t head_runs = head ? gv_runs(head->V, H, head_q8, dt, head_bl) : 0;
     const int want = num_threads > 1 ? num_threads : 1;
     const size_t flag_bytes = up64((size_t)(L * P_COUNT * max_runs + head_runs));
     char *shared = aligned_alloc(64, (size_t)L * layer_bytes + up64((size_t)(M * H) * es)
@@ -580,8 +588,8 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
             char *attn = y_d + up64((size_t)(M * H) * es);
             char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
             char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
-            gv_share_redo(&tm, c + W_QKV, fl + P_QKV * max_runs, xf, w[1], sc[1], (struct blocks_ref){bl[1], BLOCKS_Q4_1}, qkv,
-                          QKV, M, QKV, H, dt);
+            gv_share_redo(&tm, c + W_QKV, fl + P_QKV * max_runs, xf, w[1], sc[1], q41_ref(bl[1]),
+                          qkv, QKV, M, QKV, H, dt);
             memcpy(qk, qkv, (size_t)(M * QKV) * es);
             lo_rope(qk, QKV, positions, cos_t, sin_t, m->max_position, M,
                     (int)(m->Hq + m->Hkv), (int)m->D, dt, 1);
@@ -601,15 +609,15 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
                 break;
             }
             gv_widen(attn, QD, xf, M, QD, dt, q8);
-            gv_share_redo(&tm, c + W_O, fl + P_O * max_runs, xf, w[2], sc[2], (struct blocks_ref){bl[2], BLOCKS_Q4_1}, y_o,
-                          H, M, H, QD, dt);
+            gv_share_redo(&tm, c + W_O, fl + P_O * max_runs, xf, w[2], sc[2], q41_ref(bl[2]),
+                          y_o, H, M, H, QD, dt);
             lo_add_rms_norm(res, H, y_o, w[3], h, M, (int)H, m->eps, dt, 1);
             gv_widen(h, H, xf, M, H, dt, q8);
-            gv_share_redo(&tm, c + W_GATE_UP, fl + P_GATE_UP * max_runs, xf, w[4], sc[4], (struct blocks_ref){bl[4], BLOCKS_Q4_1},
-                          gu, 2 * I, M, 2 * I, H, dt);
+            gv_share_redo(&tm, c + W_GATE_UP, fl + P_GATE_UP * max_runs, xf, w[4], sc[4],
+                          q41_ref(bl[4]), gu, 2 * I, M, 2 * I, H, dt);
             lo_silu_mul(gu, act, M, (int)I, dt, 1);
             gv_widen(act, I, xf, M, I, dt, q8);
-            gv_share_redo(&tm, c + W_DOWN, fl + P_DOWN * max_runs, xf, w[5], sc[5], (struct blocks_ref){bl[5], BLOCKS_Q4_1},
+            gv_share_redo(&tm, c + W_DOWN, fl + P_DOWN * max_runs, xf, w[5], sc[5], q41_ref(bl[5]),
                           y_d, H, M, H, I, dt);
             lo_add_rms_norm(res, H, y_d, l + 1 < L ? weights[6 * (l + 1)] : final_norm, h, M,
                             (int)H, m->eps, dt, 1);
@@ -670,6 +678,6 @@ int ds_decode_layers(const struct ds_model *m, const void *const *weights,
     if (packed)
         return batched_layers(m, weights, packed, final_norm, head, cache, x, out, positions,
                               slots, lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
-    return gemv_layers(m, weights, scales, blocks, final_norm, head, cache, x, out, positions, slots,
-                       lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
+    return gemv_layers(m, weights, scales, blocks, final_norm, head, cache, x, out, positions,
+                       slots, lens, tables, bt_stride, cos_t, sin_t, M, num_threads);
 }

@@ -1,7 +1,7 @@
 """The Python side of decode_stack.c: `CpuDecodeStack`, every decoder layer of a CPU decode
 step in one C call (the model's layer loop, kernel for kernel, without a Python dispatch
-per kernel; over the int8 projections where the model is quantized, or a float32 model's
-GGUF Q4_1 blocks, pdserve.engine.gguf_blocks). Up to GEMV_MAX_ROWS
+per kernel; over the int8 projections where the model is quantized, or the GGUF blocks the
+model's weights came from, pdserve.engine.gguf_blocks). Up to GEMV_MAX_ROWS
 rows the projections stream the weights (the GEMV); batches up to BATCH_MAX_ROWS run over
 the packed copies the layer loop also uses for them (`linear.batch_packed`: AMX tiles or
 AVX512-BF16 panels for bfloat16, AVX-512 or AVX2 panels for float32) where the machine and
@@ -20,6 +20,7 @@ import ctypes
 
 import torch
 
+from pdserve.engine import gguf_blocks
 from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
 from pdserve.engine.cpu_kernels.paged_decode import MAX_HEAD_DIM, check_tables
 from pdserve.engine.layers.int8 import num_groups
@@ -76,9 +77,9 @@ def _block_pointers(model, want: dict[str, tuple[int, ...]]) -> ctypes.Array | N
                 pointers.append(None)
                 continue
             t = layer[name]
-            bshape = (wshape[0], wshape[1] // 32 * 20)
+            bshape = (wshape[0], gguf_blocks.row_bytes(wshape[1], gguf_blocks.Q4_1))
             if (t.dtype != torch.uint8 or tuple(t.shape) != bshape or not t.is_contiguous()
-                    or t.device.type != "cpu" or wshape[1] % 32):
+                    or t.device.type != "cpu" or wshape[1] % gguf_blocks.BLOCK):
                 raise ValueError(f"layer {n} {name}'s Q4_1 blocks must be a contiguous uint8 "
                                  f"{bshape}")
             pointers.append(t.data_ptr())
@@ -91,9 +92,9 @@ def _head_blocks(model) -> torch.Tensor | None:
     if blocks is None:
         return None
     d = model.dims
-    bshape = (d.vocab_size, d.hidden_size // 32 * 34)
+    bshape = (d.vocab_size, gguf_blocks.row_bytes(d.hidden_size, gguf_blocks.Q8_0))
     if (blocks.dtype != torch.uint8 or tuple(blocks.shape) != bshape
-            or not blocks.is_contiguous() or d.hidden_size % 32):
+            or not blocks.is_contiguous() or d.hidden_size % gguf_blocks.BLOCK):
         raise ValueError(f"the LM head's Q8_0 blocks must be a contiguous uint8 {bshape}")
     return blocks
 

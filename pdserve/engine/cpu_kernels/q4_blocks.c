@@ -6,8 +6,8 @@
  * high one); weight = d * q + m. The float32 model holds exactly those values (the loader
  * de-quantizes in float32, and d * q is exact there: 11 by 4 significant bits), so a row
  * rebuilt here equals the model's row bit for bit (checked per row at load,
- * pdserve.engine.gguf_blocks) and the products are the float32 GEMV's, summed in another
- * order. What changes is the bytes per weight streamed from memory: 0.625 instead of 4 (or
+ * pdserve.engine.gguf_blocks) and the products are the row GEMV's, summed in its order
+ * (below). What changes is the bytes per weight streamed from memory: 0.625 instead of 4 (or
  * of bfloat16's 2: a bfloat16 model holds those values rounded, and they are rounded so
  * here).
  *
@@ -66,8 +66,8 @@ static float half_to_f32(uint16_t h)
 }
 #endif
 
-/* Row n's float32 values: out[K]. */
-void q41_dequant_row(const uint8_t *row, int64_t K, float *out)
+/* A Q4_1 row's float32 values: out[K]. */
+static void q41_dequant_row(const uint8_t *row, int64_t K, float *out)
 {
     for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
         const uint8_t *p = row + b * Q41_BYTES;
@@ -83,7 +83,7 @@ void q41_dequant_row(const uint8_t *row, int64_t K, float *out)
 }
 
 /* A Q8_0 row's float32 values: out[K]. */
-void q80_dequant_row(const uint8_t *row, int64_t K, float *out)
+static void q80_dequant_row(const uint8_t *row, int64_t K, float *out)
 {
     for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
         const uint8_t *p = row + b * Q80_BYTES;
@@ -93,6 +93,21 @@ void q80_dequant_row(const uint8_t *row, int64_t K, float *out)
         for (int j = 0; j < BLOCK_WEIGHTS; j++)
             out[b * BLOCK_WEIGHTS + j] = d * (float)(int8_t)p[2 + j];
     }
+}
+
+/* A row of K weights in blocks of format fmt, in float32: out[K]. */
+static void dequant_row(const uint8_t *row, int fmt, int64_t K, float *out)
+{
+    if (fmt == BLOCKS_Q8_0)
+        q80_dequant_row(row, K, out);
+    else
+        q41_dequant_row(row, K, out);
+}
+
+/* Bytes of one row of K weights in blocks of format fmt (BLOCKS_Q4_1 or BLOCKS_Q8_0). */
+int64_t blocks_row_bytes(int64_t K, int fmt)
+{
+    return K / BLOCK_WEIGHTS * (fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES);
 }
 
 #ifdef BLOCKS_AVX512
@@ -115,6 +130,12 @@ void q80_dequant_row(const uint8_t *row, int64_t K, float *out)
 ACC_SUM_U(1)
 ACC_SUM_U(2)
 ACC_SUM_U(4)
+
+/* NB rows of U zeroed accumulators. */
+#define ACC_ZERO(acc, NB, U)                                                                  \
+    for (int r = 0; r < NB; r++)                                                              \
+        for (int u = 0; u < U; u++)                                                           \
+            acc[r][u] = _mm512_setzero_ps()
 
 /* A Q4_1 block's 32 weights in two vectors: its 16 values d * q + m (q = 0..15) from one FMA,
  * exact as the loader's, looked up by the codes. */
@@ -155,9 +176,7 @@ static inline void q80_weights(const uint8_t *p, __m512 *w0, __m512 *w1)
     static void NAME##_##NB(const uint8_t *row, const float *x, int64_t K, float *out)       \
     {                                                                                         \
         __m512 acc[NB][U];                                                                    \
-        for (int r = 0; r < NB; r++)                                                          \
-            for (int u = 0; u < U; u++)                                                       \
-                acc[r][u] = _mm512_setzero_ps();                                              \
+        ACC_ZERO(acc, NB, U);                                                                 \
         const int64_t blocks = K / BLOCK_WEIGHTS;                                             \
         int64_t b = 0;                                                                        \
         if (U > 1)                                                                            \
@@ -248,9 +267,7 @@ static inline __m512bh q80_weights_bf16(const uint8_t *p)
     static void NAME##_##NB(const uint8_t *row, const uint16_t *x, int64_t K, float *out)    \
     {                                                                                         \
         __m512 acc[NB][U];                                                                    \
-        for (int r = 0; r < NB; r++)                                                          \
-            for (int u = 0; u < U; u++)                                                       \
-                acc[r][u] = _mm512_setzero_ps();                                              \
+        ACC_ZERO(acc, NB, U);                                                                 \
         const int64_t blocks = K / BLOCK_WEIGHTS;                                             \
         int64_t b = 0;                                                                        \
         for (const int64_t grouped = blocks / U * U; b < grouped; b += U)                     \
@@ -292,15 +309,12 @@ static void row_dot_bf16(const uint8_t *row, int fmt, const uint16_t *x, int64_t
 static void scalar_dot(const uint8_t *row, int fmt, const void *x, int dt, int64_t K, int nb,
                        float *out)
 {
-    const int64_t bytes = fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES;
+    const int64_t bytes = blocks_row_bytes(BLOCK_WEIGHTS, fmt);
     float w[BLOCK_WEIGHTS];
     for (int r = 0; r < nb; r++)
         out[r] = 0.0f;
     for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {
-        if (fmt == BLOCKS_Q8_0)
-            q80_dequant_row(row + b * bytes, BLOCK_WEIGHTS, w);
-        else
-            q41_dequant_row(row + b * bytes, BLOCK_WEIGHTS, w);
+        dequant_row(row + b * bytes, fmt, BLOCK_WEIGHTS, w);
         for (int r = 0; r < nb; r++) {
             float s = 0.0f;
             for (int j = 0; j < BLOCK_WEIGHTS; j++) {
@@ -351,12 +365,6 @@ static void any_row_dot(const uint8_t *row, int fmt, const void *x, int dt, int6
     scalar_dot(row, fmt, x, dt, K, nb, out);
 }
 
-/* Bytes of one row of K weights in blocks of format fmt (BLOCKS_Q4_1 or BLOCKS_Q8_0). */
-int64_t blocks_row_bytes(int64_t K, int fmt)
-{
-    return K / BLOCK_WEIGHTS * (fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES);
-}
-
 /* Columns [n0, n1) of y [M, N] (row stride y_stride, dtype dt) for the M rows of x (dtype
  * dt, [M, K], as the decode stack prepares them: bfloat16 stays bfloat16); w: N rows of
  * K / 32 blocks of format fmt. M <= 4 per pass (the rows of a decode step's GEMV), more in
@@ -396,10 +404,6 @@ void blocks_dequant(const uint8_t *w, int fmt, int64_t N, int64_t K, float *out)
 {
     const int64_t row_bytes = blocks_row_bytes(K, fmt);
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        if (fmt == BLOCKS_Q8_0)
-            q80_dequant_row(w + n * row_bytes, K, out + n * K);
-        else
-            q41_dequant_row(w + n * row_bytes, K, out + n * K);
-    }
+    for (int64_t n = 0; n < N; n++)
+        dequant_row(w + n * row_bytes, fmt, K, out + n * K);
 }
