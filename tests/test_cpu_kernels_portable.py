@@ -80,6 +80,12 @@ torch.testing.assert_close(exponential_noise(keys, 9000), noise_from_keys(keys, 
                            rtol=6e-7, atol=0)
 logits = torch.randn(3, 9000, generator=gen) * 3
 assert torch.equal(exponential_race(logits, keys), race_from_keys(logits, keys))
+from pdserve.engine.cpu_kernels.sampling_filter import filtered_race
+from pdserve.engine.device_sampler import _top_k_top_p_sorted
+t, k, p = (torch.tensor([0.7, 1.0, 1.3]), torch.tensor([9000, 40, 9000]),
+           torch.tensor([0.9, 1.0, 0.95]))
+assert torch.equal(filtered_race(logits, t, k, p, torch.zeros(3), keys),
+                   race_from_keys(_top_k_top_p_sorted(logits / t[:, None], k, p), keys))
 from pdserve.engine.cpu_kernels.argmax import argmax_rows
 logits[1, 4000] = logits[1].max()  # a tie: the first index wins
 logits[2, 17] = float("nan")

@@ -38,6 +38,28 @@ def test_extreme_keys_and_the_uniforms_ends():
     assert float(got.max()) <= 25 * float(torch.log(torch.tensor(2.0))) + 1e-5
 
 
+# a key whose vocab entry 0 hashes to the top 24 bits 0xFFFFFF: its u rounds to 1.0
+TOP_KEY = 27206443
+
+
+def test_the_uniform_that_rounds_to_one_has_a_tiny_noise_not_zero():
+    """u = (0xFFFFFF + 0.5) / 2**24 rounds to 1 in float32. Its noise is 2**-25 (about
+    -log(1 - 2**-25)), in both formulas: a zero made a filtered token's score 0 / 0 in the
+    torch race, and argmax picks a NaN, so the GPU sampler drew a token top-p had cut."""
+    from pdserve.engine.sampling_noise import NOISE_MIN, _mix32
+
+    assert int(_mix32(torch.tensor([TOP_KEY])) >> 8) == 0xFFFFFF
+    keys = torch.tensor([TOP_KEY])
+    for noise in (noise_op(keys, 4), noise_from_keys(keys, 4)):
+        assert float(noise[0, 0]) == NOISE_MIN and (noise > 0).all()
+    logits = torch.tensor([[0.0, 5.0, float("-inf"), 1.0]])
+    filtered = logits.clone()
+    filtered[0, 0] = float("-inf")  # cut: never drawn, whatever its noise
+    for race in (race_op, race_from_keys):
+        assert int(race(logits, keys)[0]) == 0  # kept: its score is p * 2**25
+        assert int(race(filtered, keys)[0]) != 0
+
+
 def test_rows_are_independent_of_their_batch():
     keys = row_keys(torch.arange(10, 16), torch.arange(6))
     batch = noise_op(keys, 9000)

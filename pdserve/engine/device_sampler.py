@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.sampler import SampleRow
-from pdserve.engine.sampling_noise import exponential_race, row_seed
+from pdserve.engine.sampling_noise import exponential_race, row_keys, row_seed
 from pdserve.protocol import TokenLogprobs
 
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' bound; what a captured step computes
@@ -200,14 +200,16 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
     x = penalized(logits, bufs, flags)
     tokens = greedy_tokens(x)
     if flags.random:
-        y = x / f[:, _TEMP, None]
-        if flags.sort:
-            y = _top_k_top_p(y, i[:, _TOP_K], f[:, _TOP_P])
-        if flags.min_p:
-            probs = y.softmax(-1)
-            y = y.masked_fill(probs < f[:, _MIN_P, None] * probs.amax(-1, keepdim=True),
-                              float("-inf"))
-        drawn = exponential_race(y, i[:, _SEED], i[:, _POS])
+        drawn = _cpu_filtered_draw(x, f, i, flags)
+        if drawn is None:
+            y = x / f[:, _TEMP, None]
+            if flags.sort:
+                y = _top_k_top_p(y, i[:, _TOP_K], f[:, _TOP_P])
+            if flags.min_p:
+                probs = y.softmax(-1)
+                y = y.masked_fill(probs < f[:, _MIN_P, None] * probs.amax(-1, keepdim=True),
+                                  float("-inf"))
+            drawn = exponential_race(y, i[:, _SEED], i[:, _POS])
         tokens = torch.where(f[:, _GREEDY] > 0, tokens, drawn)
     cols = [tokens.to(torch.float64)[:, None]]
     if flags.any_logprobs:
@@ -219,6 +221,31 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
     else:
         cols.append(torch.zeros_like(cols[0]))
     return torch.cat(cols, dim=1)
+
+
+def _cpu_filtered_draw(x: torch.Tensor, f: torch.Tensor, i: torch.Tensor, flags: SampleFlags
+                       ) -> torch.Tensor | None:
+    """The sampled rows' draws in one C call (temperature, top-k, top-p and the race; greedy
+    rows' entries unused), for float32 rows on the CPU without min-p; None elsewhere. The
+    torch stages below sort: one stream at top_p 0.95 took 15.6 ms a decode step against
+    6.9 greedy."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or flags.min_p:
+        return None
+    op = _cpu_filter()
+    if op is None:
+        return None
+    return op(x.contiguous(), f[:, _TEMP].contiguous(), i[:, _TOP_K].contiguous(),
+              f[:, _TOP_P].contiguous(), f[:, _GREEDY].contiguous(),
+              row_keys(i[:, _SEED], i[:, _POS]))
+
+
+@functools.cache
+def _cpu_filter() -> Callable[..., torch.Tensor] | None:
+    """The C op, imported on first use; None (warned once) when it cannot start."""
+    from pdserve.engine.cpu_kernels.library import op_or_none
+
+    return op_or_none("sampling_filter", "filtered_race", "the C sampling filter",
+                      "sampled rows are filtered with torch")
 
 
 def greedy_tokens(x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 _MASK32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27: every product of a 32-bit value stays inside int64
 _GOLDEN = 0x9E3779B9
+NOISE_MIN = 2.0**-25  # the noise where u rounds to 1 (noise_from_keys)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +67,11 @@ def noise_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """The torch formula: [B] stream keys -> [B, vocab] float32 Exp(1) noise."""
     idx = torch.arange(vocab, dtype=torch.long, device=keys.device) * _GOLDEN  # < 2**50
     bits = _mix32((keys[:, None] + idx[None, :]) & _MASK32)  # [B, V]
-    # 24 bits -> a uniform strictly inside (0, 1), exact in float32
+    # 24 bits -> a uniform inside (0, 1) (b + 0.5 rounds to float32 above 2**23)
     u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+    # the top b's u rounds to 1: its noise is -log(1 - 2**-25) ~ 2**-25, not 0 (a zero
+    # noise made a filtered token's score 0 / 0, a NaN argmax picks)
+    return (-torch.log(u)).clamp_min(NOISE_MIN)
 
 
 def race_from_keys(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

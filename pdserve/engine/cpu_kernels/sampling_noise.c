@@ -1,39 +1,18 @@
 /* The sampler's Exp(1) noise in one pass over [B, V], and the exponential race drawn with it
  * without materialising it (pdserve.engine.sampling_noise defines both; its torch formulas
- * are this file's references in the tests).
+ * are this file's references in the tests). The per-element formulas are in
+ * sampling_noise.h.
  *
- * Per element: bits = mix32(key[r] + v * GOLDEN mod 2^32), u = ((bits >> 8) + 0.5) / 2^24,
- * noise = -log(u). The torch formula spends a dozen int64 passes over [B, V] on it (64 x
- * 49152: ~67 ms a step on two cores, more than the decode step it samples for); here it is
- * uint32 arithmetic in registers and one float32 store.
- *
- * u is the torch formula's value exactly: float32(b + 0.5) for b < 2^24 is
- * float32(2b + 1) / 2, and an int -> float conversion rounds as the addition does, with no
- * step -ffast-math could re-associate. The log is libmvec's (within a few ulp of torch's).
+ * The torch formula of the noise spends a dozen int64 passes over [B, V] (64 x 49152: ~67
+ * ms a step on two cores, more than the decode step it samples for); here it is uint32
+ * arithmetic in registers and one float32 store.
  */
 #include <math.h>
 #include <stdint.h>
 
-#include "common.h" /* exp2_weight */
+#include "sampling_noise.h"
 
-#define GOLDEN 0x9E3779B9u
-#define MUL 0x45D9F3Bu
-#define LOG2E 1.44269504088896341f
 #define SPAN 4096 /* elements per work item: rows are split so one row uses every thread */
-
-static inline uint32_t mix32(uint32_t x)
-{
-    x = ((x >> 16) ^ x) * MUL;
-    x = ((x >> 16) ^ x) * MUL;
-    return (x >> 16) ^ x;
-}
-
-/* Element v of the noise of the row keyed `key`. */
-static inline float noise_at(uint32_t key, int64_t v)
-{
-    const uint32_t bits = mix32(key + (uint32_t)v * GOLDEN);
-    return -logf((float)(int32_t)(2 * (bits >> 8) + 1) * 0x1p-25f);
-}
 
 /* out [B, V] (contiguous) = the noise of rows keyed keys [B] (32-bit stream keys, as
  * sampling_noise.row_keys gives them). */
@@ -50,15 +29,36 @@ void sn_exponential_noise(const int64_t *keys, int64_t B, int64_t V, float *out,
         float *o = out + r * V;
 #pragma omp simd
         for (int64_t v = v0; v < v1; v++)
-            o[v] = noise_at(key, v);
+            o[v] = sn_noise_at(key, v);
     }
 }
 
+/* The race over one row of logits x [V]: the first v with the largest score. */
+int64_t sn_race_row(const float *x, int64_t V, uint32_t key)
+{
+    float m = x[0];
+    for (int64_t v = 1; v < V; v++)
+        m = x[v] > m ? x[v] : m;
+    float score[256];
+    float best = -1.f;
+    int64_t arg = 0;
+    for (int64_t v0 = 0; v0 < V; v0 += 256) {
+        const int n = V - v0 < 256 ? (int)(V - v0) : 256;
+#pragma omp simd
+        for (int j = 0; j < n; j++)
+            score[j] = sn_race_score(x[v0 + j], m, key, v0 + j);
+        for (int j = 0; j < n; j++)
+            if (score[j] > best) {
+                best = score[j];
+                arg = v0 + j;
+            }
+    }
+    return arg;
+}
+
 /* tokens[r] = argmax_v softmax(logits[r])_v / noise_v for each row r of logits [B, V]
- * (contiguous float32): the exponential race, an exact draw from softmax(logits[r]). The
- * softmax's sum is the same for every v of a row, so exp(x_v - max) / noise_v is compared
- * instead (exp2_weight: 0 below 2^-126, where no score can win; a -inf logit, filtered
- * out, scores 0). Ties go to the lowest v, as argmax's do.
+ * (contiguous float32): the exponential race, an exact draw from softmax(logits[r]). Ties
+ * go to the lowest v, as argmax's do.
  * One row per work item: its two passes over V stay in cache, and no [B, V] noise or
  * probabilities are written (on two cores the torch formula's four [B, V] temporaries cost
  * more in page faults than in arithmetic). */
@@ -67,26 +67,6 @@ void sn_exponential_race(const float *logits, const int64_t *keys, int64_t B, in
 {
     const int threads = B > 1 && B * V >= 2 * SPAN ? num_threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t r = 0; r < B; r++) {
-        const float *x = logits + r * V;
-        const uint32_t key = (uint32_t)keys[r];
-        float m = x[0];
-        for (int64_t v = 1; v < V; v++)
-            m = x[v] > m ? x[v] : m;
-        float score[256];
-        float best = -1.f;
-        int64_t arg = 0;
-        for (int64_t v0 = 0; v0 < V; v0 += 256) {
-            const int n = V - v0 < 256 ? (int)(V - v0) : 256;
-#pragma omp simd
-            for (int j = 0; j < n; j++)
-                score[j] = exp2_weight((x[v0 + j] - m) * LOG2E) / noise_at(key, v0 + j);
-            for (int j = 0; j < n; j++)
-                if (score[j] > best) {
-                    best = score[j];
-                    arg = v0 + j;
-                }
-        }
-        tokens[r] = arg;
-    }
+    for (int64_t r = 0; r < B; r++)
+        tokens[r] = sn_race_row(logits + r * V, V, (uint32_t)keys[r]);
 }
