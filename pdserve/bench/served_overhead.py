@@ -18,7 +18,9 @@ One run:
    and the client spend is what the served TPOT pays on top of the engine's.
 
 TPOT is measured the same way on both sides: (last token - first token) / (tokens - 1)
-per request, the mean over requests. `python -m pdserve.bench.served_overhead --help`.
+per request, the mean over requests. Both sides sample alike: greedy by default,
+`--sampling temperature=1.0,top_p=0.95` (say) for sampled streams.
+`python -m pdserve.bench.served_overhead --help`.
 """
 
 from __future__ import annotations
@@ -112,7 +114,27 @@ def weight_bytes(model) -> int:
     return n
 
 
-def engine_side(engine, requests: list[BenchRequest]) -> EngineSide:
+GREEDY = {"temperature": 0.0}
+SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+
+
+def sampling_fields(text: str) -> dict[str, float | int]:
+    """`temperature=1.0,top_p=0.95` -> {"temperature": 1.0, "top_p": 0.95}."""
+    out: dict[str, float | int] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or key not in SAMPLING_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: expected KEY=VALUE with KEY one of {', '.join(SAMPLING_KEYS)}")
+        try:
+            out[key] = SAMPLING_KEYS[key](value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: {value!r} is not a number") from None
+    return out
+
+
+def engine_side(engine, requests: list[BenchRequest], sampling: dict[str, float | int]
+                ) -> EngineSide:
     """Run `requests` at once in `engine`, timing each request's tokens per step."""
     from pdserve.protocol import SamplingParams
 
@@ -120,7 +142,7 @@ def engine_side(engine, requests: list[BenchRequest]) -> EngineSide:
     for r in requests:
         rid = f"bench-{time.monotonic_ns()}-{r.request_id}"
         engine.add_request(rid, r.prompt, SamplingParams(
-            max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True))
+            max_tokens=r.output_tokens, ignore_eos=True, **sampling))
         times[rid] = []
     engine.trace = []
     while engine.has_unfinished():
@@ -144,13 +166,14 @@ def _cluster_threads(endpoints: Endpoints) -> list[ThreadCPU]:
     return [t for pid in pids for t in threads_cpu(pid)]
 
 
-async def served_side(endpoints: Endpoints, model: str, requests: list[BenchRequest]
+async def served_side(endpoints: Endpoints, model: str, requests: list[BenchRequest],
+                      sampling: dict[str, float | int] = GREEDY
                       ) -> tuple[float, int, TierCPU]:
     """(mean TPOT ms, requests lost, CPU per token by tier) of `requests` sent at once
     through the gateway."""
     before = _cluster_threads(endpoints)
     async with OpenAIHTTPClient(endpoints.http_url, model, endpoint="completions",
-                                extra_body={"temperature": 0}) as client:
+                                extra_body=sampling) as client:
         result = await run_benchmark(client, requests, label="served", progress=False)
     ok = [r for r in result.records if r.ok]
     cpu = TierCPU.between(before, _cluster_threads(endpoints), endpoints.gateway_pid,
@@ -202,10 +225,11 @@ def run(a: argparse.Namespace) -> list[Row]:
                              output_len=a.output_tokens)
                 os.sched_setaffinity(0, cores)
                 try:
-                    eng = engine_side(engine, reqs)
+                    eng = engine_side(engine, reqs, a.sampling)
                 finally:
                     os.sched_setaffinity(0, own)
-                served, lost, cpu = asyncio.run(served_side(endpoints, a.model, reqs))
+                served, lost, cpu = asyncio.run(served_side(endpoints, a.model, reqs,
+                                                                a.sampling))
                 gbs = None
                 if n == 1:
                     gbs = eng.weight_bytes / (eng.decode_step_ms / 1e3) / 1e9
@@ -247,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the decode worker's --stream-interval (default 1)")
     p.add_argument("--decode-streams", default="session", choices=["session", "per-request"],
                    help="the gateway's --decode-streams (default session)")
+    p.add_argument("--sampling", default=GREEDY, type=sampling_fields,
+                   metavar="KEY=VALUE,...",
+                   help=f"how both sides sample ({', '.join(SAMPLING_KEYS)}; default greedy, "
+                        f"temperature=0)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows here")
     return p
 
