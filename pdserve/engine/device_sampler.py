@@ -8,7 +8,10 @@ exponential race with `sampling_noise`; logprobs of the raw distribution.
 
 `SampleFlags` says which of those stages a step needs. Eagerly a step runs only those (a CPU
 step should not sort the vocabulary for a batch of greedy rows); a captured graph runs
-`SampleFlags.ALL`, where every stage is a no-op for the rows that do not use it.
+`SampleFlags.ALL`, where every stage is a no-op for the rows that do not use it. On the CPU,
+float32 rows without min-p go from temperature to the race in one C call
+(cpu_kernels/sampling_filter.c, which sorts only each row's candidates); the torch stages
+here are its definition.
 
 The result of a step is ONE float64 tensor [rows, 2 + 2K] (token id, its logprob, K top
 logprobs, their ids — float64 holds every id exactly), copied once to a pinned host buffer,
