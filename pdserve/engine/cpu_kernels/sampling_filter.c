@@ -122,26 +122,18 @@ static int64_t nucleus(const struct cand *cand, int64_t n, float m, double z, fl
     return n;
 }
 
-/* The race over the first n candidates: the largest score, the lowest index on a tie. */
-static int64_t race_candidates(const struct cand *cand, int64_t n, float m, uint32_t key)
+/* The race over the first n candidates, laid out as sn_race takes them in `spare` (8 n
+ * bytes past the sorted run). */
+static int64_t race_candidates(const struct cand *cand, int64_t n, float m, uint32_t key,
+                               struct cand *spare)
 {
-    float score[256];
-    float best = -1.f;
-    int64_t arg = 0;
-    for (int64_t i0 = 0; i0 < n; i0 += 256) {
-        const int c = n - i0 < 256 ? (int)(n - i0) : 256;
-#pragma omp simd
-        for (int j = 0; j < c; j++)
-            score[j] = sn_race_score(cand[i0 + j].y, m, key, cand[i0 + j].v);
-        for (int j = 0; j < c; j++) {
-            const int64_t v = cand[i0 + j].v;
-            if (score[j] > best || (score[j] == best && v < arg)) {
-                best = score[j];
-                arg = v;
-            }
-        }
+    float *y = (float *)spare;
+    int32_t *idx = (int32_t *)(y + n);
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = cand[i].y;
+        idx[i] = cand[i].v;
     }
-    return arg;
+    return sn_race(y, idx, n, m, key);
 }
 
 /* The draw for one row of logits x [V]; cand: 2 V of scratch, y: V floats. */
@@ -206,7 +198,7 @@ static int64_t filtered_row(const float *x, int64_t V, float t, int64_t k, float
         }
         kept = cut;
     }
-    return race_candidates(cand, kept, m, key);
+    return race_candidates(cand, kept, m, key, cand + V);
 }
 
 /* tokens[r] for each row r of logits [B, V] (contiguous float32) with greedy[r] == 0: the

@@ -33,27 +33,42 @@ void sn_exponential_noise(const int64_t *keys, int64_t B, int64_t V, float *out,
     }
 }
 
-/* The race over one row of logits x [V]: the first v with the largest score. */
+/* The race over n logits y whose vocab indices are idx (NULL: 0..n-1), against their row's
+ * max m: the index with the largest score, the lowest on a tie. */
+int64_t sn_race(const float *y, const int32_t *idx, int64_t n, float m, uint32_t key)
+{
+    float score[256];
+    float best = -1.f;
+    int64_t arg = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += 256) {
+        const int c = n - i0 < 256 ? (int)(n - i0) : 256;
+        if (idx) {
+#pragma omp simd
+            for (int j = 0; j < c; j++)
+                score[j] = sn_race_score(y[i0 + j], m, key, idx[i0 + j]);
+        } else {
+#pragma omp simd
+            for (int j = 0; j < c; j++)
+                score[j] = sn_race_score(y[i0 + j], m, key, i0 + j);
+        }
+        for (int j = 0; j < c; j++) {
+            const int64_t v = idx ? idx[i0 + j] : i0 + j;
+            if (score[j] > best || (score[j] == best && v < arg)) {
+                best = score[j];
+                arg = v;
+            }
+        }
+    }
+    return arg;
+}
+
+/* The race over one row of logits x [V]. */
 int64_t sn_race_row(const float *x, int64_t V, uint32_t key)
 {
     float m = x[0];
     for (int64_t v = 1; v < V; v++)
         m = x[v] > m ? x[v] : m;
-    float score[256];
-    float best = -1.f;
-    int64_t arg = 0;
-    for (int64_t v0 = 0; v0 < V; v0 += 256) {
-        const int n = V - v0 < 256 ? (int)(V - v0) : 256;
-#pragma omp simd
-        for (int j = 0; j < n; j++)
-            score[j] = sn_race_score(x[v0 + j], m, key, v0 + j);
-        for (int j = 0; j < n; j++)
-            if (score[j] > best) {
-                best = score[j];
-                arg = v0 + j;
-            }
-    }
-    return arg;
+    return sn_race(x, NULL, V, m, key);
 }
 
 /* tokens[r] = argmax_v softmax(logits[r])_v / noise_v for each row r of logits [B, V]

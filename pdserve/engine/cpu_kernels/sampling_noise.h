@@ -43,7 +43,9 @@ static inline float sn_race_score(float x, float row_max, uint32_t key, int64_t 
     return exp2_weight((x - row_max) * SN_LOG2E) / sn_noise_at(key, v);
 }
 
-/* sampling_noise.c: the race over one row. */
+/* sampling_noise.c: the race over n logits with their vocab indices (NULL: 0..n-1) and
+ * their row's max; over one whole row. */
+int64_t sn_race(const float *y, const int32_t *idx, int64_t n, float m, uint32_t key);
 int64_t sn_race_row(const float *x, int64_t V, uint32_t key);
 
 #endif
