@@ -32,9 +32,11 @@
 #define NB 512 /* buckets: a quarter power of two of the weight each, 2^-128 in all */
 #define PER_OCTAVE 4.f
 
-/* The bytes of work one thread needs for rows of V logits. */
+/* The bytes of work one thread needs for rows of V logits, a multiple of 64 so every
+ * thread's share starts aligned as the whole does. */
 #define WORK_PER_THREAD(V) \
-    ((V) * (int64_t)(2 * sizeof(struct cand) + sizeof(float) + sizeof(uint16_t)))
+    (((V) * (int64_t)(2 * sizeof(struct cand) + sizeof(float) + sizeof(uint16_t)) + 63) \
+     & ~(int64_t)63)
 
 struct cand {
     float y;
