@@ -235,3 +235,30 @@ def test_a_batch_mixing_the_levels_equals_the_full_sort(monkeypatch):
     assert _top_k_top_p_candidates(y, top_k, top_p, 4096)[1].tolist() == [True, True, False]
     got = _top_k_top_p(y, top_k, top_p)
     assert torch.equal(got, _full_sort_filter(y, top_k, top_p, monkeypatch))
+
+
+def test_touched_pairs_equal_the_dense_formula():
+    """The CPU's penalties and bans on the (row, token) pairs they touch against the dense
+    [rows, vocab] tensors a captured graph uses: the same logits, row by row, over steps that
+    switch the penalties on and off (a dense row left from an earlier step must not leak)."""
+    from pdserve.engine.device_sampler import penalized
+
+    params = [SamplingParams(repetition_penalty=1.3, temperature=0.0),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=-0.4, temperature=0.7,
+                             seed=1),
+              SamplingParams(temperature=0.0),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, min_tokens=50,
+                             stop_token_ids=[3], temperature=0.0)]
+    steps = [_rows(params), _rows([SamplingParams(temperature=0.0)] * 2), _rows(params[1:], 1)]
+    touched = SamplingBuffers(4, VOCAB, torch.device("cpu"))
+    dense = SamplingBuffers(4, VOCAB, torch.device("cpu"), sparse=False)
+    assert touched.sparse and not dense.sparse
+    for rows in steps:
+        logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+        got = penalized(logits, touched, touched.fill(rows, len(rows)))
+        want = penalized(logits, dense, dense.fill(rows, len(rows)))
+        assert torch.equal(got, want)
+        assert torch.equal(logits, torch.randn(len(rows), VOCAB, generator=torch.Generator()
+                                               .manual_seed(3)) * 3)  # not changed in place
+    logits = torch.randn(4, VOCAB)
+    assert not torch.equal(penalized(logits, touched, touched.fill(steps[0], 4)), logits)
