@@ -117,9 +117,10 @@ class SamplingBuffers:
     and cleared as soon as they are not needed.
 
     On the CPU (`sparse`, the default there) penalties and bans are kept as the (row, token)
-    pairs they touch (`TouchedTokens`) and applied to those alone: the dense formula's
-    [rows, vocab] temporaries cost ~13 ms of a 64-row step. A captured graph (CUDA) needs
-    the dense tensors' fixed shapes.
+    pairs they touch (`TouchedTokens`) and applied to those alone: fill + penalized with
+    the dense [rows, vocab] tensors and their temporaries took 34 ms for 64 rows, 11 this
+    way (docs/bench/cpu-s23/penalty_calls.py). A captured graph (CUDA) needs the dense
+    tensors' fixed shapes.
     """
 
     def __init__(self, max_rows: int, vocab: int, device: torch.device,
@@ -313,10 +314,10 @@ def penalized(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleFlags
               ) -> torch.Tensor:
     """Repetition (seen token: positive logit / r, negative * r), then frequency and
     presence (minus f * count + p * [count > 0]), then the min_tokens ban."""
-    r = logits.shape[0]
-    x, f = logits, bufs.floats[:r]
     if bufs.sparse:
         return _penalized_touched(logits, bufs.floats, bufs.touched, flags)
+    r = logits.shape[0]
+    x, f = logits, bufs.floats[:r]
     if flags.penalties:
         rep = f[:, _REP, None]
         x = torch.where(bufs.seen[:r], torch.where(x > 0, x / rep, x * rep), x)

@@ -22,7 +22,7 @@
  * as torch's CPU cumsum does, and a token is dropped once the mass before it reaches p
  * (the first always stays). Should top-p's candidates end before it drops anything, the
  * whole row is sorted instead. The race then runs over the kept tokens with the plain
- * race's score (sampling_noise.h); a row with neither filter runs the plain race on y.
+ * race's score (sampling_noise.h); a row with neither filter runs the race over all of y.
  */
 #include <stdint.h>
 #include <string.h>
@@ -144,11 +144,11 @@ static int64_t filtered_row(const float *x, int64_t V, float t, int64_t k, float
 {
     const int top_k = k < V, top_p = p < 1.f;
     divide_row(x, V, t, y);
-    if (!top_k && !top_p)
-        return sn_race_row(y, V, key);
     float m = y[0];
     for (int64_t v = 1; v < V; v++)
         m = y[v] > m ? y[v] : m;
+    if (!top_k && !top_p)
+        return sn_race(y, NULL, V, m, key);
     int64_t count[NB] = {0};
     double mass[NB] = {0.0};
     double z_row = 0.0;

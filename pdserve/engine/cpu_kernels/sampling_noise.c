@@ -63,7 +63,7 @@ int64_t sn_race(const float *y, const int32_t *idx, int64_t n, float m, uint32_t
 }
 
 /* The race over one row of logits x [V]. */
-int64_t sn_race_row(const float *x, int64_t V, uint32_t key)
+static int64_t race_row(const float *x, int64_t V, uint32_t key)
 {
     float m = x[0];
     for (int64_t v = 1; v < V; v++)
@@ -83,5 +83,5 @@ void sn_exponential_race(const float *logits, const int64_t *keys, int64_t B, in
     const int threads = B > 1 && B * V >= 2 * SPAN ? num_threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t r = 0; r < B; r++)
-        tokens[r] = sn_race_row(logits + r * V, V, (uint32_t)keys[r]);
+        tokens[r] = race_row(logits + r * V, V, (uint32_t)keys[r]);
 }

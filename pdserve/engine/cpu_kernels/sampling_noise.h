@@ -44,8 +44,7 @@ static inline float sn_race_score(float x, float row_max, uint32_t key, int64_t 
 }
 
 /* sampling_noise.c: the race over n logits with their vocab indices (NULL: 0..n-1) and
- * their row's max; over one whole row. */
+ * their row's max. */
 int64_t sn_race(const float *y, const int32_t *idx, int64_t n, float m, uint32_t key);
-int64_t sn_race_row(const float *x, int64_t V, uint32_t key);
 
 #endif
