@@ -82,10 +82,15 @@ logits = torch.randn(3, 9000, generator=gen) * 3
 assert torch.equal(exponential_race(logits, keys), race_from_keys(logits, keys))
 from pdserve.engine.cpu_kernels.sampling_filter import filtered_race
 from pdserve.engine.device_sampler import _top_k_top_p_sorted
+from pdserve.engine.sampler import min_p_filter, min_p_threshold
 t, k, p = (torch.tensor([0.7, 1.0, 1.3]), torch.tensor([9000, 40, 9000]),
            torch.tensor([0.9, 1.0, 0.95]))
-assert torch.equal(filtered_race(logits, t, k, p, torch.zeros(3), keys),
-                   race_from_keys(_top_k_top_p_sorted(logits / t[:, None], k, p), keys))
+for mp in ([0.0, 0.0, 0.0], [0.05, 0.1, 0.0], [0.0, 0.2, 0.02]):  # alone, after top-k / top-p
+    mp = torch.tensor(mp)
+    thr = torch.tensor([min_p_threshold(v) for v in mp.tolist()])
+    want = min_p_filter(_top_k_top_p_sorted(logits / t[:, None], k, p), thr)
+    assert torch.equal(filtered_race(logits, t, k, p, mp, torch.zeros(3), keys),
+                       race_from_keys(want, keys))
 from pdserve.engine.cpu_kernels.argmax import argmax_rows
 logits[1, 4000] = logits[1].max()  # a tie: the first index wins
 logits[2, 17] = float("nan")

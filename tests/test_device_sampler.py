@@ -46,6 +46,8 @@ CASES = {
     "top_p": dict(temperature=1.3, top_p=0.6, seed=13),
     "min_p": dict(temperature=1.0, min_p=0.2, seed=14),
     "all_filters": dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, seed=15),
+    "min_p_top_k": dict(temperature=0.7, top_k=20, min_p=0.1, seed=18),
+    "min_p_top_p": dict(temperature=1.2, top_p=0.8, min_p=0.15, seed=19),
     "repetition": dict(temperature=0.0, repetition_penalty=1.8),
     "presence_frequency": dict(temperature=0.8, presence_penalty=1.5, frequency_penalty=0.7,
                                seed=16),
@@ -132,6 +134,28 @@ def test_top_k_and_min_p_thresholds():
     # min-p keeps p >= min_p * max_p: 0.3 * 0.4 = 0.12 -> {0.4, 0.3, 0.15}
     assert _kept(logits, SamplingParams(min_p=0.3)) == {1, 2, 3}
     assert _kept(logits, SamplingParams(min_p=0.74)) == {1, 2}  # 0.296 <= 0.3
+
+
+def test_min_p_filter_is_the_probability_rule():
+    """min_p_filter's y - max < log(min_p) keeps what probs < min_p * max(probs) keeps,
+    wherever a token's probability is not within rounding of the cut (rows of -inf too);
+    a min-p of 0 (threshold -inf) keeps everything."""
+    from pdserve.engine.sampler import min_p_filter, min_p_threshold
+
+    g = torch.Generator().manual_seed(6)
+    y = torch.randn(40, 5000, generator=g) * torch.linspace(0.3, 8.0, 40)[:, None]
+    y[::5, :1000] = float("-inf")
+    min_p = torch.rand(40, generator=g) * 0.5
+    min_p[3] = 1.0
+    thr = torch.tensor([min_p_threshold(m) for m in min_p.tolist()])
+    got = min_p_filter(y, thr).isinf()
+    probs = y.double().softmax(-1)
+    ratio = probs / probs.amax(-1, keepdim=True)
+    want = ratio < min_p.double()[:, None]
+    edge = (ratio / min_p.double()[:, None] - 1).abs() < 1e-5
+    assert torch.equal(got[~edge], want[~edge]) and edge.sum() < 5
+    assert not min_p_filter(y, torch.full((40,), float("-inf"))).isinf()[y > -1e30].any()
+    assert min_p_threshold(0.0) == float("-inf") and min_p_threshold(1.0) == 0.0
 
 
 def test_penalty_formulas():

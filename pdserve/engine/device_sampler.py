@@ -9,9 +9,8 @@ exponential race with `sampling_noise`; logprobs of the raw distribution.
 `SampleFlags` says which of those stages a step needs. Eagerly a step runs only those (a CPU
 step should not sort the vocabulary for a batch of greedy rows); a captured graph runs
 `SampleFlags.ALL`, where every stage is a no-op for the rows that do not use it. On the CPU,
-float32 rows without min-p go from temperature to the race in one C call
-(cpu_kernels/sampling_filter.c, which sorts only each row's candidates); the torch stages
-here are its definition.
+float32 rows go from temperature to the race in one C call (cpu_kernels/sampling_filter.c,
+which sorts only each row's candidates); the torch stages here are its definition.
 
 The result of a step is ONE float64 tensor [rows, 2 + 2K] (token id, its logprob, K top
 logprobs, their ids — float64 holds every id exactly), copied once to a pinned host buffer,
@@ -26,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampler import SampleRow
+from pdserve.engine.sampler import SampleRow, min_p_filter, min_p_threshold
 from pdserve.engine.sampling_noise import exponential_race, row_keys, row_seed
 from pdserve.protocol import TokenLogprobs
 
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' bound; what a captured step computes
 
-# columns of SamplingBuffers.floats / .ints
-_TEMP, _TOP_P, _MIN_P, _REP, _PRES, _FREQ, _GREEDY = range(7)
+# columns of SamplingBuffers.floats / .ints (_MIN_P_LOG: min_p_threshold of _MIN_P)
+_TEMP, _TOP_P, _MIN_P, _REP, _PRES, _FREQ, _GREEDY, _MIN_P_LOG = range(8)
 _TOP_K, _SEED, _POS = range(3)
 
 
@@ -128,14 +127,14 @@ class SamplingBuffers:
         self.max_rows, self.vocab, self.device = max_rows, vocab, device
         self.sparse = device.type == "cpu" if sparse is None else sparse
         self.touched: TouchedTokens | None = None  # sparse: this step's pairs, if any
-        self.floats = torch.zeros(max_rows, 7, dtype=torch.float32, device=device)
+        self.floats = torch.zeros(max_rows, 8, dtype=torch.float32, device=device)
         self.ints = torch.zeros(max_rows, 3, dtype=torch.long, device=device)
         self.seen: torch.Tensor | None = None  # [R, V] bool: in prompt or output (repetition)
         self.counts: torch.Tensor | None = None  # [R, V] float32: output counts
         self.banned: torch.Tensor | None = None  # [R, V] bool: min_tokens not reached
         self._dense_rows = 0  # rows of the dense tensors that may hold non-zeros
         pin = device.type == "cuda"
-        self._host_floats = torch.empty(max_rows, 7, dtype=torch.float32, pin_memory=pin)
+        self._host_floats = torch.empty(max_rows, 8, dtype=torch.float32, pin_memory=pin)
         self._host_ints = torch.empty(max_rows, 3, dtype=torch.long, pin_memory=pin)
         self._host_out = torch.empty(max_rows, 2 + 2 * MAX_LOGPROBS, dtype=torch.float64,
                                      pin_memory=pin)
@@ -157,10 +156,10 @@ class SamplingBuffers:
             p = r.params
             fl.append([1.0 if p.greedy else p.temperature, p.top_p, p.min_p,
                        p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-                       float(p.greedy)])
+                       float(p.greedy), min_p_threshold(p.min_p)])
             il.append([p.top_k if 0 < p.top_k < vocab else vocab,
                        0 if p.greedy else row_seed(p.seed), r.position])
-        fl += [[1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]] * (padded - n)
+        fl += [[1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, float("-inf")]] * (padded - n)
         il += [[vocab, 0, 0]] * (padded - n)
         hf, hi = self._host_floats[:padded], self._host_ints[:padded]
         hf.copy_(torch.tensor(fl, dtype=torch.float32))
@@ -244,15 +243,13 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
     x = penalized(logits, bufs, flags)
     tokens = greedy_tokens(x)
     if flags.random:
-        drawn = _cpu_filtered_draw(x, f, i, flags)
+        drawn = _cpu_filtered_draw(x, f, i)
         if drawn is None:
             y = x / f[:, _TEMP, None]
             if flags.sort:
                 y = _top_k_top_p(y, i[:, _TOP_K], f[:, _TOP_P])
             if flags.min_p:
-                probs = y.softmax(-1)
-                y = y.masked_fill(probs < f[:, _MIN_P, None] * probs.amax(-1, keepdim=True),
-                                  float("-inf"))
+                y = min_p_filter(y, f[:, _MIN_P_LOG])
             drawn = exponential_race(y, i[:, _SEED], i[:, _POS])
         tokens = torch.where(f[:, _GREEDY] > 0, tokens, drawn)
     cols = [tokens.to(torch.float64)[:, None]]
@@ -267,20 +264,20 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
     return torch.cat(cols, dim=1)
 
 
-def _cpu_filtered_draw(x: torch.Tensor, f: torch.Tensor, i: torch.Tensor, flags: SampleFlags
+def _cpu_filtered_draw(x: torch.Tensor, f: torch.Tensor, i: torch.Tensor
                        ) -> torch.Tensor | None:
-    """The sampled rows' draws in one C call (temperature, top-k, top-p and the race; greedy
-    rows' entries unused), for float32 rows on the CPU without min-p; None elsewhere. The
-    torch stages below sort: one stream at top_p 0.95 took 15.6 ms a decode step against
-    6.9 greedy."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or flags.min_p:
+    """The sampled rows' draws in one C call (temperature, top-k, top-p, min-p and the race;
+    greedy rows' entries unused), for float32 rows on the CPU; None elsewhere. The torch
+    stages below sort: one stream at top_p 0.95 took 15.6 ms a decode step against 6.9
+    greedy; min-p's softmax and masks cost ~5-15 ms more."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     op = _cpu_filter()
     if op is None:
         return None
     return op(x.contiguous(), f[:, _TEMP].contiguous(), i[:, _TOP_K].contiguous(),
-              f[:, _TOP_P].contiguous(), f[:, _GREEDY].contiguous(),
-              row_keys(i[:, _SEED], i[:, _POS]))
+              f[:, _TOP_P].contiguous(), f[:, _MIN_P].contiguous(),
+              f[:, _GREEDY].contiguous(), row_keys(i[:, _SEED], i[:, _POS]))
 
 
 @functools.cache

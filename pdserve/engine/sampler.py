@@ -15,6 +15,8 @@ is the definition it is tested against.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +66,28 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     return logits
 
 
+def min_p_threshold(min_p: float) -> float:
+    """`min_p_filter`'s threshold for one row: log(min_p) of min_p rounded to float32 (what
+    the buffer and the C filter hold), -inf for 0 (off); a float32 buffer rounds it once.
+    Taken on the host with math.log, which is the libm log sampling_filter.c calls: a device
+    log (Sleef's on the CPU, CUDA's) may differ from it in the last bit, and then the torch
+    stages and the C filter would cut a row at different floats."""
+    p = struct.unpack("f", struct.pack("f", min_p))[0]
+    return math.log(p) if p > 0.0 else float("-inf")
+
+
+def min_p_filter(y: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Min-p: a token is dropped when its probability is below min_p times the row's
+    largest, tested as y - max(y) < log(min_p) (threshold [R]: `min_p_threshold`).
+
+    The same rule as probs < min_p * max(probs) (the softmax's sum cancels; the max's
+    probability is exp(0) of it), but in exact steps: one float32 subtraction and a
+    comparison, which the C filter repeats bit for bit, where a softmax's exp and sum
+    round differently in torch, C and CUDA, and a token at the edge could go either way.
+    Fixed shapes and no sync: it runs in captured graphs (a -inf threshold keeps all)."""
+    return y.masked_fill(y - y.amax(-1, keepdim=True) < threshold[:, None], float("-inf"))
+
+
 def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on one row of logits (float32)."""
     logits = logits / p.temperature
@@ -77,9 +101,8 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = (probs.cumsum(-1) - probs) >= p.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop),
                                     float("-inf"))
-    if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.min_p > 0.0:  # device_sampler's rule, so both samplers cut at the same float
+        logits = min_p_filter(logits[None], torch.tensor([min_p_threshold(p.min_p)]))[0]
     return logits
 
 

@@ -128,7 +128,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sn_exponential_race.argtypes = [p, p, i64, i64, p, i32]
     lib.sn_exponential_race.restype = None
     # sampling_filter.c
-    lib.sf_filtered_race.argtypes = [p, i64, i64, p, p, p, p, p, p, p, i32]
+    lib.sf_filtered_race.argtypes = [p, i64, i64, p, p, p, p, p, p, p, p, i32]
     lib.sf_filtered_race.restype = i32
     lib.sf_work_per_thread.argtypes = [i64]
     lib.sf_work_per_thread.restype = i64

@@ -21,9 +21,15 @@
  * top-k set's sum, else the row's), summed in sorted order in double and rounded to float
  * as torch's CPU cumsum does, and a token is dropped once the mass before it reaches p
  * (the first always stays). Should top-p's candidates end before it drops anything, the
- * whole row is sorted instead. The race then runs over the kept tokens with the plain
- * race's score (sampling_noise.h); a row with neither filter runs the race over all of y.
+ * whole row is sorted instead. Min-p last, over what those keep (a prefix of the sorted
+ * candidates): a token is dropped when y - m < log(min_p) (see min_p_threshold). A top-p
+ * row with min-p gathers no bucket past the last one a kept weight can reach: the tokens
+ * min-p keeps all lie there, so the nucleus need not be followed further. A row with min-p
+ * and neither top-k nor top-p sorts nothing and computes no weight: one pass picks the
+ * tokens it keeps. The race then runs over the kept tokens with the plain race's score
+ * (sampling_noise.h); a row with no filter runs the race over all of y.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -98,6 +104,58 @@ static void divide_row(const float *x, int64_t V, float t, float *y)
         y[v] = x[v] / t;
 }
 
+/* Min-p's cut in the logits' own terms, for 0 < min_p <= 1: a token stays when
+ * y - m >= log(min_p), i.e. its weight exp(y - m) reaches min_p (torch's old test,
+ * probs < min_p * max(probs), is the same rule; its softmax rounds differently from any
+ * exp here). The log is libm's, in double, rounded once to float: device_sampler's
+ * min_p_threshold calls the same log through Python's math.log, so the torch definition
+ * compares against the very same float. Out of -ffast-math, which may narrow
+ * (float)log((double)x) to logf (a different rounding). */
+static float min_p_threshold(float min_p)
+    __attribute__((noinline, optimize("no-unsafe-math-optimizations")));
+static float min_p_threshold(float min_p)
+{
+    return (float)log((double)min_p);
+}
+
+/* The last bucket a token min-p keeps can lie in: y - m >= thr puts m - y <= -thr, and
+ * bucket_of grows with m - y; one more for the rounding of its product. */
+static inline int min_p_reach(float thr)
+{
+    const int b = bucket_of(thr, 0.f) + 1;
+    return b < NB - 1 ? b : NB - 1;
+}
+
+/* The tokens of y [V] min-p keeps, !(y - m < thr) as torch tests it, in index order into
+ * ky and kidx; their count. This function and the next are kept out of -ffast-math, which
+ * may rewrite y - m < thr as y < m + thr, another rounding. Neither calls anything. */
+static int64_t min_p_keep(const float *y, int64_t V, float m, float thr, float *ky,
+                          int32_t *kidx)
+    __attribute__((noinline, optimize("no-unsafe-math-optimizations")));
+static int64_t min_p_keep(const float *y, int64_t V, float m, float thr, float *ky,
+                          int32_t *kidx)
+{
+    int64_t n = 0;
+    for (int64_t v = 0; v < V; v++) {
+        ky[n] = y[v];
+        kidx[n] = (int32_t)v;
+        n += !(y[v] - m < thr);
+    }
+    return n;
+}
+
+/* How many of the first n sorted candidates min-p keeps: those before the first with
+ * y - m < thr (at least the max, whose y - m is 0 >= thr). */
+static int64_t min_p_cut(const struct cand *cand, int64_t n, float m, float thr)
+    __attribute__((noinline, optimize("no-unsafe-math-optimizations")));
+static int64_t min_p_cut(const struct cand *cand, int64_t n, float m, float thr)
+{
+    int64_t i = 0;
+    while (i < n && !(cand[i].y - m < thr))
+        i++;
+    return i;
+}
+
 /* The tokens in buckets <= last into cand, sorted (tmp: as many again); their count. */
 static int64_t gather(const float *y, int64_t V, const uint16_t *bucket, int last,
                       struct cand *cand, struct cand *tmp)
@@ -138,17 +196,24 @@ static int64_t race_candidates(const struct cand *cand, int64_t n, float m, uint
     return sn_race(y, idx, n, m, key);
 }
 
-/* The draw for one row of logits x [V]; cand: 2 V of scratch, y: V floats. */
+/* The draw for one row of logits x [V]; cand: 2 V of scratch, y: V floats. min_p: 0 off. */
 static int64_t filtered_row(const float *x, int64_t V, float t, int64_t k, float p,
-                            uint32_t key, float *y, uint16_t *bucket, struct cand *cand)
+                            float min_p, uint32_t key, float *y, uint16_t *bucket,
+                            struct cand *cand)
 {
-    const int top_k = k < V, top_p = p < 1.f;
+    const int top_k = k < V, top_p = p < 1.f, use_min_p = min_p > 0.f;
     divide_row(x, V, t, y);
     float m = y[0];
     for (int64_t v = 1; v < V; v++)
         m = y[v] > m ? y[v] : m;
-    if (!top_k && !top_p)
-        return sn_race(y, NULL, V, m, key);
+    const float thr = use_min_p ? min_p_threshold(min_p) : 0.f;
+    if (!top_k && !top_p) {
+        if (!use_min_p)
+            return sn_race(y, NULL, V, m, key);
+        float *ky = (float *)cand;
+        int32_t *kidx = (int32_t *)(ky + V);
+        return sn_race(ky, kidx, min_p_keep(y, V, m, thr, ky, kidx), m, key);
+    }
     int64_t count[NB] = {0};
     double mass[NB] = {0.0};
     double z_row = 0.0;
@@ -169,6 +234,7 @@ static int64_t filtered_row(const float *x, int64_t V, float t, int64_t k, float
         }
     }
     int last = 0;
+    int covers_min_p = 0; /* the candidates hold every token min-p keeps */
     if (top_k) {
         for (int64_t c = count[0]; c < k && last < NB - 1; c += count[++last])
             ;
@@ -180,6 +246,10 @@ static int64_t filtered_row(const float *x, int64_t V, float t, int64_t k, float
             last++;
         while (last < NB - 1 && !count[last]);
         last = last < NB - 1 ? last : NB - 1;
+        if (use_min_p && min_p_reach(thr) <= last) {
+            last = min_p_reach(thr);
+            covers_min_p = 1;
+        }
     }
     int64_t n = gather(y, V, bucket, last, cand, cand + V);
     int64_t kept = n;
@@ -194,31 +264,37 @@ static int64_t filtered_row(const float *x, int64_t V, float t, int64_t k, float
     }
     if (top_p) {
         int64_t cut = nucleus(cand, kept, m, z, p);
-        if (cut == kept && !top_k && last < NB - 1) { /* the mass ran past the candidates */
+        /* the mass ran past the candidates, and min-p does not end before them */
+        if (cut == kept && !top_k && !covers_min_p && last < NB - 1) {
             kept = n = gather(y, V, bucket, NB - 1, cand, cand + V);
             cut = nucleus(cand, kept, m, z, p);
         }
         kept = cut;
     }
+    if (use_min_p)
+        kept = min_p_cut(cand, kept, m, thr);
     return race_candidates(cand, kept, m, key, cand + V);
 }
 
 /* tokens[r] for each row r of logits [B, V] (contiguous float32) with greedy[r] == 0: the
- * race over the row / temperature[r] after top_k[r] (V: off) and top_p[r] (1: off); greedy
- * rows are left as they are (the caller takes their argmax). keys: the rows' 32-bit stream
- * keys. work: WORK_PER_THREAD(V) bytes, 8-byte aligned, for each of num_threads threads.
- * Returns 0; -1 when a sampled row's top_k is outside [1, V], its temperature not > 0, its
- * top_p outside (0, 1] or its key outside [0, 2^32) (nothing is drawn then). */
+ * race over the row / temperature[r] after top_k[r] (V: off), top_p[r] (1: off) and
+ * min_p[r] (0: off); greedy rows are left as they are (the caller takes their argmax).
+ * keys: the rows' 32-bit stream keys. work: WORK_PER_THREAD(V) bytes, 8-byte aligned, for
+ * each of num_threads threads. Returns 0; -1 when a sampled row's top_k is outside [1, V],
+ * its temperature not > 0, its top_p outside (0, 1], its min_p outside [0, 1] or its key
+ * outside [0, 2^32) (nothing is drawn then). */
 int sf_filtered_race(const float *logits, int64_t B, int64_t V, const float *temperature,
-                     const int64_t *top_k, const float *top_p, const float *greedy,
-                     const int64_t *keys, int64_t *tokens, uint8_t *work, int num_threads)
+                     const int64_t *top_k, const float *top_p, const float *min_p,
+                     const float *greedy, const int64_t *keys, int64_t *tokens, uint8_t *work,
+                     int num_threads)
 {
     int64_t sampled = 0;
     for (int64_t r = 0; r < B; r++) {
         if (greedy[r] != 0.f)
             continue;
         if (top_k[r] < 1 || top_k[r] > V || !(temperature[r] > 0.f) || !(top_p[r] > 0.f)
-            || top_p[r] > 1.f || keys[r] < 0 || keys[r] > (int64_t)UINT32_MAX)
+            || top_p[r] > 1.f || !(min_p[r] >= 0.f) || min_p[r] > 1.f || keys[r] < 0
+            || keys[r] > (int64_t)UINT32_MAX)
             return -1;
         sampled++;
     }
@@ -233,7 +309,8 @@ int sf_filtered_race(const float *logits, int64_t B, int64_t V, const float *tem
         for (int64_t r = 0; r < B; r++)
             if (greedy[r] == 0.f)
                 tokens[r] = filtered_row(logits + r * V, V, temperature[r], top_k[r],
-                                         top_p[r], (uint32_t)keys[r], y, bucket, cand);
+                                         top_p[r], min_p[r], (uint32_t)keys[r], y, bucket,
+                                         cand);
     }
     return 0;
 }
