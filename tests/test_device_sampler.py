@@ -286,3 +286,126 @@ def test_touched_pairs_equal_the_dense_formula():
                                                .manual_seed(3)) * 3)  # not changed in place
     logits = torch.randn(4, VOCAB)
     assert not torch.equal(penalized(logits, touched, touched.fill(steps[0], 4)), logits)
+
+
+def _engine_rows(seqs) -> list[SampleRow]:
+    """A step's rows as ModelRunner._rows builds them: each request's own lists."""
+    return [SampleRow(s.params, s.prompt_token_ids, s.output_token_ids, EOS) for s in seqs]
+
+
+def test_penalty_tables_over_steps_equal_the_dense_formula():
+    """The CPU's per-request tables, carried from step to step, give the dense formula's
+    logits bit for bit (and `sample_on_device` its packed result, the logits it penalises
+    in place put back) while requests join, leave, are preempted and come back, a request
+    id is reused, the batch is reordered, steps have no penalised row at all, and an output
+    changes other than by appending; a request whose output only grew keeps its table."""
+    from pdserve.engine.sequence import Sequence
+
+    g = torch.Generator().manual_seed(7)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+    kinds = [
+        SamplingParams(repetition_penalty=1.3, temperature=0.0),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=-0.4, temperature=0.7, seed=1),
+        SamplingParams(repetition_penalty=0.9, presence_penalty=1.1, frequency_penalty=0.6,
+                       temperature=1.0, top_p=0.9, seed=2, logprobs=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(repetition_penalty=0.8, min_tokens=6, stop_token_ids=[3],
+                       temperature=0.0),
+        # migrated: its last 4 prompt tokens are output made elsewhere (counted)
+        SamplingParams(presence_penalty=-1.0, frequency_penalty=0.4, output_offset=4,
+                       temperature=0.0),
+    ]
+    made = 0
+
+    def new(kind: int) -> Sequence:
+        nonlocal made
+        made += 1
+        prompt = toks(5 + made % 7) + ([VOCAB + 5] if made % 3 == 0 else [])  # >= vocab
+        return Sequence(f"r{made}", prompt, kinds[kind], output_token_ids=toks(made % 4))
+
+    def penalised(s: Sequence) -> bool:
+        p = s.params
+        return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+    touched = SamplingBuffers(16, VOCAB, torch.device("cpu"))
+    dense = SamplingBuffers(16, VOCAB, torch.device("cpu"), sparse=False)
+    live = [new(k) for k in range(6)]
+    preempted: list[Sequence] = []
+    changed: set[int] = set()  # outputs changed other than by appending
+    kept_tables = 0
+    for step in range(18):
+        if step == 3:  # joins
+            live += [new(k) for k in (0, 1, 2, 5)]
+        if step == 5:  # preempted: out of the batch, then back with the same output
+            preempted = [live.pop(1), live.pop(2)]
+        if step == 6:  # finishes; a new request takes its id
+            gone = live.pop(0)
+            live.append(Sequence(gone.request_id, list(gone.prompt_token_ids), gone.params))
+        if step == 8:
+            live += preempted
+        if step == 12:  # last step's last read token rewritten; an output shortened
+            a, b = [s for s in live if penalised(s) and len(s.output_token_ids) > 2][:2]
+            a.output_token_ids[-2] = (a.output_token_ids[-2] + 1) % VOCAB
+            del b.output_token_ids[-2:]
+            changed = {id(a.output_token_ids), id(b.output_token_ids)}
+        batch = live if step not in (9, 10) else [s for s in live if not penalised(s)]
+        batch = [batch[i] for i in torch.randperm(len(batch), generator=g).tolist()]
+        before = dict(touched.tables._tables)  # noqa: SLF001 - the state under test
+        rows = _engine_rows(batch)
+        n = len(rows)
+        logits = torch.randn(n, VOCAB, generator=g) * 3
+        raw = logits.clone()
+        tf, df = touched.fill(rows, n), dense.fill(rows, n)
+        assert tf == df
+        want = penalized(logits, dense, df)
+        assert torch.equal(penalized(logits, touched, tf), want), step
+        packed = sample_on_device(logits, touched, tf)
+        assert torch.equal(logits, raw)  # penalised in place, put back
+        assert torch.equal(packed, sample_on_device(logits, dense, df)), step
+        tables = touched.tables._tables  # noqa: SLF001
+        assert set(tables) == {id(s.output_token_ids) for s in batch if penalised(s)}
+        for s in batch:
+            key = id(s.output_token_ids)
+            if key in before and key in tables:
+                assert (tables[key] is before[key]) == (key not in changed), step
+                kept_tables += key not in changed
+        changed = set()
+        for s in batch:  # the step's tokens
+            s.output_token_ids.append(int(packed[batch.index(s), 0]))
+    assert kept_tables > 40  # most steps read only the new token
+
+
+def test_penalty_tables_leave_with_their_requests(tiny_model_dir):
+    """Through the engine, 40 penalised requests in turn, some aborted, some preempted by a
+    small pool: after every step the sampler holds tables only for the requests that step
+    sampled, and none once a step samples no penalised request."""
+    from conftest import tiny_engine
+
+    eng = tiny_engine(tiny_model_dir, max_num_seqs=6, num_kv_blocks=8)
+    tables = eng.runner.sampling.tables
+    eng.trace = []
+    seqs, submitted, aborted, most = {}, 0, 0, 0
+    while submitted < 40 or eng.has_unfinished():
+        while submitted < 40 and len(eng.seqs) < 8:
+            p = SamplingParams(max_tokens=4 + submitted % 9, ignore_eos=True,
+                               temperature=0.0 if submitted % 2 else 0.8, seed=submitted,
+                               repetition_penalty=1.2,
+                               frequency_penalty=0.3 if submitted % 3 else 0.0)
+            rid = f"p{submitted}"
+            seqs[rid] = eng.add_request(rid, [(7 * submitted + j) % 900 + 20
+                                              for j in range(5 + submitted % 20)], p)
+            submitted += 1
+        if len(eng.trace) % 7 == 3 and eng.scheduler.running:
+            eng.abort_request(eng.scheduler.running[-1].request_id)
+            aborted += 1
+        eng.step()
+        sampled = {id(seqs[rid].output_token_ids) for rid, _ in eng.trace[-1].scheduled}
+        assert set(tables._tables) <= sampled  # noqa: SLF001
+        most = max(most, len(tables))
+    assert aborted > 0 and eng.scheduler.num_preemptions > 0
+    assert 0 < most <= 6
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(tables) == 0

@@ -12,6 +12,11 @@ step should not sort the vocabulary for a batch of greedy rows); a captured grap
 float32 rows go from temperature to the race in one C call (cpu_kernels/sampling_filter.c,
 which sorts only each row's candidates); the torch stages here are its definition.
 
+On the CPU penalties and bans touch only the (row, token) pairs they concern
+(`TouchedTokens`), taken from per-request tables carried across steps (`PenaltyTables`), and
+are applied in the logits themselves, put back once the tokens are drawn; a captured graph
+uses dense [rows, vocab] tensors instead.
+
 The result of a step is ONE float64 tensor [rows, 2 + 2K] (token id, its logprob, K top
 logprobs, their ids — float64 holds every id exactly), copied once to a pinned host buffer,
 non-blocking, and synchronised once.
@@ -23,11 +28,12 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.sampler import SampleRow, min_p_filter, min_p_threshold
 from pdserve.engine.sampling_noise import exponential_race, row_keys, row_seed
-from pdserve.protocol import TokenLogprobs
+from pdserve.protocol import SamplingParams, TokenLogprobs
 
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' bound; what a captured step computes
 
@@ -69,7 +75,8 @@ SampleFlags.ALL = SampleFlags(True, True, True, True, True, MAX_LOGPROBS, True)
 def _touched_lists(rows: list[SampleRow], vocab: int) -> tuple[list[int], ...]:
     """(row, token) pairs as parallel lists: seen tokens of rows with a repetition penalty
     (prompt and output, once each), output tokens of rows with a presence or frequency
-    penalty (once per occurrence), banned ids of rows short of min_tokens."""
+    penalty (once per occurrence), banned ids of rows short of min_tokens. The dense path's
+    (a captured graph's tensors), rebuilt every step from each row's whole history."""
     seen_r, seen_t, out_r, out_t, ban_r, ban_t = [], [], [], [], [], []
     for i, r in enumerate(rows):
         p = r.params
@@ -86,25 +93,172 @@ def _touched_lists(rows: list[SampleRow], vocab: int) -> tuple[list[int], ...]:
     return seen_r, seen_t, out_r, out_t, ban_r, ban_t
 
 
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+
+
 @dataclass(frozen=True)
 class TouchedTokens:
-    """A CPU step's penalties and bans as (row, token) index tensors: the seen tokens, the
-    counted output tokens (each pair once, with its count), the banned ids."""
+    """A CPU step's penalties and bans as flat indices into its [rows, vocab] logits
+    (row * vocab + token): every (row, token) pair a penalty touches, once, with its row and
+    its count in the row's output history; and the banned pairs.
 
-    seen: tuple[torch.Tensor, torch.Tensor]
-    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, tokens, float32 counts
-    banned: tuple[torch.Tensor, torch.Tensor]
+    One pair per distinct token of a row, whichever penalties the row has: a row without a
+    repetition penalty has 1.0 there (x / 1 and x * 1 are x), one without presence and
+    frequency has 0 and 0 (x - (0 * c + 0 * b) is x, -0.0 included), so the one formula
+    over all pairs gives, pair by pair, what the dense formula gives."""
+
+    pairs: torch.Tensor  # int64 [P], distinct
+    rows: torch.Tensor  # int64 [P]: the pair's row (of the logits and of SamplingBuffers)
+    counts: torch.Tensor  # float32 [P]: occurrences in the output history (0: seen only)
+    banned: torch.Tensor  # int64 [B], distinct
+    repetition: bool  # some row has a repetition penalty (else that stage is skipped)
+    counting: bool  # some row has a presence or frequency penalty
+
+
+@dataclass(eq=False)
+class _PenaltyTable:
+    """One request's penalised tokens, carried from step to step: its distinct tokens (prompt
+    and output with a repetition penalty, else the output history) and each one's count in
+    the output history, in arrays grown by doubling; the first `read` output tokens are in.
+
+    It is the table of these lists and parameters (`advance` checks identity): the engine
+    hands every step the request's own `Sequence` lists, which only grow at the end."""
+
+    prompt: list[int]
+    output: list[int]
+    params: SamplingParams
+    counting: bool  # presence / frequency: output tokens are counted
+    tokens: np.ndarray  # int64 [capacity], the first `size` in use
+    counts: np.ndarray  # float32 [capacity]
+    size: int
+    slot: dict[int, int]  # token -> its index in `tokens`
+    read: int  # len(output) when last read
+    last: int | None  # output[read - 1] then
 
     @staticmethod
-    def of(rows: list[SampleRow], vocab: int) -> TouchedTokens:
-        seen_r, seen_t, out_r, out_t, ban_r, ban_t = _touched_lists(rows, vocab)
-        pairs = torch.tensor(out_r, dtype=torch.long) * vocab + torch.tensor(out_t,
-                                                                             dtype=torch.long)
-        keys, counts = pairs.unique(return_counts=True)
-        return TouchedTokens(
-            (torch.tensor(seen_r, dtype=torch.long), torch.tensor(seen_t, dtype=torch.long)),
-            (keys // vocab, keys % vocab, counts.to(torch.float32)),
-            (torch.tensor(ban_r, dtype=torch.long), torch.tensor(ban_t, dtype=torch.long)))
+    def of(row: SampleRow, vocab: int) -> _PenaltyTable:
+        """The table from the row's whole history (a request's first step with its table,
+        or one whose output changed other than by appending): one `unique` over the
+        seen-only tokens (the prompt, with a repetition penalty) and the counted ones."""
+        p, out = row.params, row.output_token_ids
+        counting = bool(p.presence_penalty or p.frequency_penalty)
+        seen = np.array(row.prompt_token_ids if p.repetition_penalty != 1.0 else [],
+                        dtype=np.int64)
+        # counting: the output history (a migrated request's tail of the prompt included)
+        tail = np.array(row.history if counting else out, dtype=np.int64)
+        tokens, inverse = np.unique(np.concatenate([seen, tail]), return_inverse=True)
+        counts = (np.bincount(inverse[len(seen):], minlength=len(tokens)) if counting
+                  else np.zeros(len(tokens), dtype=np.int64))
+        keep = (tokens >= 0) & (tokens < vocab)  # an overlap placeholder is no token
+        tokens, counts = tokens[keep], counts[keep]
+        n = len(tokens)
+        cap = max(16, 2 * n)
+        table = _PenaltyTable(row.prompt_token_ids, out, p, counting,
+                              np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.float32),
+                              n, dict(zip(tokens.tolist(), range(n))), len(out),
+                              out[-1] if out else None)
+        table.tokens[:n], table.counts[:n] = tokens, counts
+        return table
+
+    def advance(self, row: SampleRow, vocab: int) -> bool:
+        """Read the output tokens appended since the last step; False (nothing changed) when
+        this is not the row's table or its output changed other than by appending: the
+        request left and another took its lists' place, or an overlap placeholder that was
+        read has been replaced (a penalised row never samples after one, see overlap.py)."""
+        out = row.output_token_ids
+        if (out is not self.output or row.prompt_token_ids is not self.prompt
+                or row.params is not self.params or len(out) < self.read
+                or (self.read and out[self.read - 1] != self.last)):
+            return False
+        if len(out) == self.read:
+            return True
+        for t in out[self.read:]:  # one token a decode step
+            if not 0 <= t < vocab:  # not a token (an overlap placeholder)
+                continue
+            i = self.slot.get(t)
+            if i is None:
+                i = self.size
+                if i == len(self.tokens):
+                    self.tokens = np.concatenate([self.tokens, np.zeros_like(self.tokens)])
+                    self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+                self.tokens[i] = t
+                self.slot[t] = i
+                self.size = i + 1
+            if self.counting:
+                self.counts[i] += 1
+        self.read, self.last = len(out), out[-1]
+        return True
+
+
+class PenaltyTables:
+    """The CPU's penalty state: one `_PenaltyTable` per request with a penalty in the last
+    step, so that a step reads only the tokens appended since the one before.
+
+    Rebuilding each row's seen set and output counts from its whole history every step, as
+    lists, then tensors, then a `unique`, grew with the history: with the clone of the
+    logits 7-20 ms a step for 64 rows of ~300 tokens; with the tables a step reads one token
+    a row and concatenates the rows' arrays, 0.7-1.5 ms with the in-place penalties
+    (docs/bench/cpu-s24/penalty_calls.txt). A table built from a whole history (`cold`
+    there) costs about what a step cost before, once per request.
+
+    Keyed by the row's output list: the request's own (`Sequence.output_token_ids`), held by
+    its table, so no other list has its id while the table lives. Eviction is by step:
+    `touched` keeps the tables of its own rows and drops every other, so a request that
+    finished, was aborted or preempted, or skipped a step loses its table at the next step
+    (rebuilt from its lists when it samples again). At most one step's rows are held,
+    whatever happens to the requests, and no engine path has to remember to drop one."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self._tables: dict[int, _PenaltyTable] = {}
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def clear(self) -> None:
+        self._tables = {}
+
+    def touched(self, rows: list[SampleRow]) -> TouchedTokens:
+        """The step's pairs (`TouchedTokens`); the tables of `rows` updated, others dropped."""
+        vocab = self.vocab
+        kept: dict[int, _PenaltyTable] = {}
+        where: list[int] = []
+        tokens: list[np.ndarray] = []
+        counts: list[np.ndarray] = []
+        sizes: list[int] = []
+        banned: list[int] = []
+        repetition = counting = False
+        for i, r in enumerate(rows):
+            p = r.params
+            if _has_penalty(p):
+                key = id(r.output_token_ids)
+                table = self._tables.get(key)
+                if table is None or not table.advance(r, vocab):
+                    table = _PenaltyTable.of(r, vocab)
+                kept[key] = table
+                repetition = repetition or p.repetition_penalty != 1.0
+                counting = counting or table.counting
+                if table.size:
+                    where.append(i)
+                    tokens.append(table.tokens[:table.size])
+                    counts.append(table.counts[:table.size])
+                    sizes.append(table.size)
+            if len(r.output_token_ids) < p.min_tokens:
+                base = i * vocab
+                banned.extend(base + t for t in dict.fromkeys((*r.eos_token_ids,
+                                                               *p.stop_token_ids))
+                              if 0 <= t < vocab)
+        self._tables = kept
+        if sizes:  # concatenate copies: the tables change in place next step
+            at = np.repeat(np.array(where, dtype=np.int64), sizes)
+            tok, cnt = np.concatenate(tokens), np.concatenate(counts)
+        else:
+            at = tok = np.zeros(0, dtype=np.int64)
+            cnt = np.zeros(0, dtype=np.float32)
+        return TouchedTokens(torch.from_numpy(at * vocab + tok), torch.from_numpy(at),
+                             torch.from_numpy(cnt), torch.tensor(banned, dtype=torch.long),
+                             repetition, counting)
 
 
 class SamplingBuffers:
@@ -118,7 +272,9 @@ class SamplingBuffers:
     On the CPU (`sparse`, the default there) penalties and bans are kept as the (row, token)
     pairs they touch (`TouchedTokens`) and applied to those alone: fill + penalized with
     the dense [rows, vocab] tensors and their temporaries took 34 ms for 64 rows, 11 this
-    way (docs/bench/cpu-s23/penalty_calls.py). A captured graph (CUDA) needs the dense
+    way (docs/bench/cpu-s23/penalty_calls.py). The pairs come from per-request tables kept
+    across steps (`PenaltyTables`, owned here), so a step reads what was appended since the
+    last one (docs/bench/cpu-s24/penalty_calls.txt). A captured graph (CUDA) needs the dense
     tensors' fixed shapes.
     """
 
@@ -127,6 +283,7 @@ class SamplingBuffers:
         self.max_rows, self.vocab, self.device = max_rows, vocab, device
         self.sparse = device.type == "cpu" if sparse is None else sparse
         self.touched: TouchedTokens | None = None  # sparse: this step's pairs, if any
+        self.tables = PenaltyTables(vocab)  # sparse: the requests' penalty state
         self.floats = torch.zeros(max_rows, 8, dtype=torch.float32, device=device)
         self.ints = torch.zeros(max_rows, 3, dtype=torch.long, device=device)
         self.seen: torch.Tensor | None = None  # [R, V] bool: in prompt or output (repetition)
@@ -168,8 +325,11 @@ class SamplingBuffers:
         self.ints[:padded].copy_(hi, non_blocking=True)
         flags = SampleFlags.of(rows, vocab)
         if self.sparse:
-            self.touched = (TouchedTokens.of(rows, vocab) if flags.penalties or flags.ban
-                            else None)
+            if flags.penalties or flags.ban:
+                self.touched = self.tables.touched(rows)
+            else:  # no row has a table: every table is of a request not in this step
+                self.tables.clear()
+                self.touched = None
         elif flags.penalties or flags.ban or self._dense_rows:
             self._fill_dense(rows, flags)
         return flags
@@ -240,18 +400,29 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
     R rows of `bufs` are used (filled by `bufs.fill`); K = flags.logprobs."""
     r = logits.shape[0]
     f, i = bufs.floats[:r], bufs.ints[:r]
-    x = penalized(logits, bufs, flags)
-    tokens = greedy_tokens(x)
-    if flags.random:
-        drawn = _cpu_filtered_draw(x, f, i)
-        if drawn is None:
-            y = x / f[:, _TEMP, None]
-            if flags.sort:
-                y = _top_k_top_p(y, i[:, _TOP_K], f[:, _TOP_P])
-            if flags.min_p:
-                y = min_p_filter(y, f[:, _MIN_P_LOG])
-            drawn = exponential_race(y, i[:, _SEED], i[:, _POS])
-        tokens = torch.where(f[:, _GREEDY] > 0, tokens, drawn)
+    # On the CPU the touched pairs are penalised in the logits themselves and put back once
+    # the tokens are drawn: a clone of 64 x 49k logits (12.6 MB) cost 1-5 ms a step more
+    # than the put-back (docs/bench/cpu-s24/penalty_calls.txt, "after,copy"). Put back
+    # before the logprobs (they are of the raw logits), and the caller gets its logits as
+    # they were.
+    in_place = bufs.sparse and logits.is_contiguous()
+    saved = _penalize_touched_(logits, bufs.floats, bufs.touched, flags) if in_place else None
+    try:
+        x = logits if in_place else penalized(logits, bufs, flags)
+        tokens = greedy_tokens(x)
+        if flags.random:
+            drawn = _cpu_filtered_draw(x, f, i)
+            if drawn is None:
+                y = x / f[:, _TEMP, None]
+                if flags.sort:
+                    y = _top_k_top_p(y, i[:, _TOP_K], f[:, _TOP_P])
+                if flags.min_p:
+                    y = min_p_filter(y, f[:, _MIN_P_LOG])
+                drawn = exponential_race(y, i[:, _SEED], i[:, _POS])
+            tokens = torch.where(f[:, _GREEDY] > 0, tokens, drawn)
+    finally:
+        if saved is not None:
+            saved.put_back(logits)
     cols = [tokens.to(torch.float64)[:, None]]
     if flags.any_logprobs:
         lp = logits.log_softmax(-1)
@@ -310,9 +481,14 @@ def _cpu_argmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
 def penalized(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleFlags
               ) -> torch.Tensor:
     """Repetition (seen token: positive logit / r, negative * r), then frequency and
-    presence (minus f * count + p * [count > 0]), then the min_tokens ban."""
+    presence (minus f * count + p * [count > 0]), then the min_tokens ban. The logits are
+    not changed (sparse: a copy is penalised; `sample_on_device` penalises in place)."""
     if bufs.sparse:
-        return _penalized_touched(logits, bufs.floats, bufs.touched, flags)
+        if bufs.touched is None or not (flags.penalties or flags.ban):
+            return logits
+        x = logits.clone(memory_format=torch.contiguous_format)
+        _penalize_touched_(x, bufs.floats, bufs.touched, flags)
+        return x
     r = logits.shape[0]
     x, f = logits, bufs.floats[:r]
     if flags.penalties:
@@ -325,28 +501,51 @@ def penalized(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleFlags
     return x
 
 
-def _penalized_touched(logits: torch.Tensor, f: torch.Tensor, touched: TouchedTokens | None,
-                       flags: SampleFlags) -> torch.Tensor:
-    """`penalized` on the touched pairs alone: per element the dense formula's operations,
-    in its order (an untouched logit stays as it is, where the dense formula subtracts a
-    zero)."""
+@dataclass(frozen=True)
+class RawLogits:
+    """The logits a step penalised in place, as they were: flat indices and their values."""
+
+    index: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    def put_back(self, logits: torch.Tensor) -> None:
+        flat = logits.view(-1)
+        for idx, raw in zip(self.index, self.values):
+            flat.index_copy_(0, idx, raw)
+
+
+def _penalize_touched_(x: torch.Tensor, f: torch.Tensor, touched: TouchedTokens | None,
+                       flags: SampleFlags) -> RawLogits | None:
+    """`penalized` on the touched pairs alone, in place on x (contiguous [R, V]); what it
+    overwrote, to put back (None: nothing). Per element the dense formula's operations in
+    its order (an untouched logit stays as it is, where the dense formula subtracts a
+    zero); every pair once, so one gather and one index_copy_ (pairs are distinct)."""
     if touched is None or not (flags.penalties or flags.ban):
-        return logits
-    x = logits.clone()
-    if flags.penalties:
-        rows, toks = touched.seen
-        if rows.numel():
-            v, rep = x[rows, toks], f[rows, _REP]
-            x[rows, toks] = torch.where(v > 0, v / rep, v * rep)
-        rows, toks, counts = touched.counted
-        if rows.numel():
-            x[rows, toks] = x[rows, toks] - (f[rows, _FREQ] * counts
-                                             + f[rows, _PRES] * (counts > 0).to(x.dtype))
-    if flags.ban:
-        rows, toks = touched.banned
-        if rows.numel():
-            x[rows, toks] = float("-inf")
-    return x
+        return None
+    flat = x.view(-1)
+    index: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    ban = touched.banned if flags.ban and touched.banned.numel() else None
+    if ban is not None:  # raw values: taken before the penalties write any of them
+        index.append(ban)
+        values.append(flat.index_select(0, ban))
+    if flags.penalties and touched.pairs.numel():
+        idx, rows = touched.pairs, touched.rows
+        raw = flat.index_select(0, idx)
+        v = raw
+        if touched.repetition:
+            rep = f[:, _REP].index_select(0, rows)
+            v = torch.where(v > 0, v / rep, v * rep)
+        if touched.counting:
+            counts = touched.counts
+            v = v - (f[:, _FREQ].index_select(0, rows) * counts
+                     + f[:, _PRES].index_select(0, rows) * (counts > 0).to(v.dtype))
+        flat.index_copy_(0, idx, v.to(flat.dtype))
+        index.append(idx)
+        values.append(raw)
+    if ban is not None:
+        flat.index_fill_(0, ban, float("-inf"))
+    return RawLogits(tuple(index), tuple(values)) if index else None
 
 
 def _top_k_top_p(y: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
