@@ -16,6 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from pdserve.engine import gguf_blocks
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_kernels.library import DTYPE_CODES, load
+from pdserve.engine.layers.linear import GEMV_MAX_ROWS
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_files import resolve_model
 from pdserve.protocol import SamplingParams
@@ -51,9 +52,11 @@ def test_dequantized_blocks_are_gguf_py_values_bit_for_bit(ggml_type):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ggml_type", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 12])
 def test_gemv_over_blocks_is_the_product_of_the_models_weights(rows, ggml_type, dtype):
-    n, k = 200, 1536
+    # 201 columns: float32 passes of 5-8 rows take the block rows in pairs, and the last
+    # one alone; 12 rows are a pass of 8 (pairs) and one of 4 (one block row at a time)
+    n, k = 201, 1536
     blocks = _random_blocks(n, k, rows, ggml_type)
     w = _reference(blocks, k, ggml_type).to(dtype)  # what a model of that dtype holds
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9)).to(dtype)
@@ -116,6 +119,27 @@ def test_the_default_model_streams_its_blocks_and_decodes_its_rows_tokens(defaul
     stack = blocked.model._decode_stack
     # the stack read the blocks, the head's too
     assert stack is not None and stack[1]._blocks is not None and stack[1]._head.blocks
+    # float32: the blocks' GEMV takes batches up to 8 rows, where the rows' GEMV stops at 4
+    # (their packed panels take over); a bfloat16 model's panels win from 5 rows
+    assert stack[1].gemv_rows == (gguf_blocks.F32_GEMV_MAX_ROWS if dtype == "float32"
+                                  else GEMV_MAX_ROWS)
+    assert plain.model._decode_stack[1].gemv_rows == GEMV_MAX_ROWS
+
+
+def test_float32_batches_past_the_row_gemv_decode_over_the_blocks(default_gguf):
+    """Six rows: the blocks' GEMV (pairs of block rows) against the model without blocks
+    (the packed panels over its rows): other sums of the same products, the same greedy
+    tokens on these prompts."""
+    blocked, plain = _engine(dtype="float32"), _engine(dtype="float32", gguf_blocks=False)
+    if blocked.model.gguf_blocks is None:
+        pytest.skip("this build streams no blocks for float32")
+    prompts = [plain.tokenizer.encode(p) for p in (
+        "The capital of France is", "def fib(n):", "Once upon a time", "List three colors:",
+        "The sum of 2 and 3 is", "import numpy as")]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ours = [o.token_ids for o in blocked.generate(prompts, params)]
+    assert ours == [o.token_ids for o in plain.generate(prompts, params)]
+    assert blocked.model._decode_stack[1].gemv_rows == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

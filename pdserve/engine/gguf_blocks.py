@@ -35,6 +35,14 @@ from pdserve.engine.model_files import gguf_index
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per block
+# Rows of a float32 decode step the GEMV takes over the blocks (the row GEMV stops at
+# GEMV_MAX_ROWS): past 4 rows the blocks' GEMV stays cheaper than the packed panels, which
+# stream the float32 rows (538 MB a step). A whole decode step on the default model, two
+# threads, blocks against panels: 5 rows 13.4-14.2 ms against 20.9-22.8, 6 rows 15.2-16.8
+# against 21.8-22.6, 8 rows 17.6-19.5 against 22.4-22.7, 10 rows (two passes) 28.9-30.2
+# against 21.9-23.1 (docs/benchmarks.md section 6, session 24). A bfloat16 model's panels
+# stream half the bytes and win from 5 rows (11.2-13.2 ms against 13.0-16.6).
+F32_GEMV_MAX_ROWS = 8
 # GGML type -> (bytes a block, the C kernels' format code: common.h's BLOCKS_*)
 Q4_1, Q8_0 = 3, 8
 FORMATS = {Q4_1: (20, 1),  # float16 d, float16 m, 16 bytes of 4-bit codes

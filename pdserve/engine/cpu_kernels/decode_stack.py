@@ -1,8 +1,9 @@
 """The Python side of decode_stack.c: `CpuDecodeStack`, every decoder layer of a CPU decode
 step in one C call (the model's layer loop, kernel for kernel, without a Python dispatch
 per kernel; over the int8 projections where the model is quantized, or the GGUF blocks the
-model's weights came from, pdserve.engine.gguf_blocks). Up to GEMV_MAX_ROWS
-rows the projections stream the weights (the GEMV); batches up to BATCH_MAX_ROWS run over
+model's weights came from, pdserve.engine.gguf_blocks). Up to GEMV_MAX_ROWS rows
+(gguf_blocks.F32_GEMV_MAX_ROWS over a float32 model's blocks) the projections stream the
+weights (the GEMV); batches up to BATCH_MAX_ROWS run over
 the packed copies the layer loop also uses for them (`linear.batch_packed`: AMX tiles or
 AVX512-BF16 panels for bfloat16, AVX-512 or AVX2 panels for float32) where the machine and
 build have those kernels.
@@ -181,8 +182,11 @@ class CpuDecodeStack:
                             blocks=None if head_blocks is None else head_blocks.data_ptr(),
                             packed=None if head_packed is None else head_packed.data_ptr(),
                             V=d.vocab_size, logits=None)
-        # the most rows `run` takes
-        self.max_rows = BATCH_MAX_ROWS if self._packed is not None else GEMV_MAX_ROWS
+        # the most rows the GEMV form takes: more over float32 blocks (their GEMV beats the
+        # panels there); and the most rows `run` takes
+        self.gemv_rows = (gguf_blocks.F32_GEMV_MAX_ROWS
+                          if self._blocks is not None and dt == torch.float32 else GEMV_MAX_ROWS)
+        self.max_rows = BATCH_MAX_ROWS if self._packed is not None else self.gemv_rows
         self._num_slots = kv_data.shape[2] * kv_data.shape[3]
         self._dims = DsModel(
             L=d.num_layers, H=h, Hq=d.num_heads, Hkv=d.num_kv_heads, D=d.head_dim, I=i,
@@ -217,7 +221,7 @@ class CpuDecodeStack:
         check_tables(seq_lens, block_tables, self._kv[0, 0])
         if t > self.max_rows:
             raise ValueError(f"{t} rows: the decode stack takes at most {self.max_rows}")
-        packed = self._packed if t > GEMV_MAX_ROWS else None
+        packed = self._packed if t > self.gemv_rows else None
         out = torch.empty_like(x)
         head = self._head
         logits = None

@@ -34,6 +34,7 @@
 #define Q41_BYTES 20
 #define Q80_BYTES 34
 #define BLOCKS_PREFETCH_AHEAD 2048 /* bytes of the block stream asked for ahead, into L1 */
+#define BLOCKS_PASS_ROWS 8 /* rows of x one pass over a block row takes */
 
 #ifdef __F16C__
 static float half_to_f32(uint16_t h)
@@ -208,22 +209,89 @@ static inline void q80_weights(const uint8_t *p, __m512 *w0, __m512 *w1)
         for (int r = 0; r < NB; r++)                                                          \
             out[r] = acc_sum_##U(acc[r]);                                                     \
     }
-/* Each form for 1-4 rows of x, with gemv.c's accumulators per row count. */
+/* Each form for 1-4 rows of x with gemv.c's accumulators per row count; 5-8 rows (past the
+ * row GEMV's, where a model without blocks runs its packed panels) with one accumulator a
+ * row, as at 3 and 4, so that a pass of up to 8 rows de-quantizes each block once (the
+ * last block row of an odd count; the others go in pairs, below). */
 #define FOR_ROW_COUNTS(DEFINE, NAME, WEIGHTS, BYTES)                                          \
     DEFINE(NAME, WEIGHTS, BYTES, 1, 4)                                                        \
     DEFINE(NAME, WEIGHTS, BYTES, 2, 2)                                                        \
     DEFINE(NAME, WEIGHTS, BYTES, 3, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 4, 1)
+    DEFINE(NAME, WEIGHTS, BYTES, 4, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 5, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 6, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 7, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 8, 1)
 FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT, q41_dot, q41_weights, Q41_BYTES)
 FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT, q80_dot, q80_weights, Q80_BYTES)
 
-/* Dot products of one block row (format fmt) with nb <= 4 rows of x (row stride K). */
-static void row_dot(const uint8_t *row, int fmt, const float *x, int64_t K, int nb, float *out)
+/* Keeps v in a register here: gcc would otherwise fold each use of a loaded x vector into
+ * its FMA as a memory operand, a load per FMA, which two block rows at once are to halve. */
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+
+/* Dot products of two block rows (row_bytes apart) with NB (5-8) rows of x, out [2][NB],
+ * one accumulator per pair of rows as the one-block-row form at those counts: each x
+ * vector is loaded once for two FMAs, where one block row's pass is a load per FMA (a
+ * 4-row pass ran at ~50 GFLOP/s a core, this one at 70-90). Not for 1-4 rows: there the
+ * sums must stay the row GEMV's bit for bit, and its final adds compile alike only in code
+ * written alike. */
+#define DEFINE_BLOCKS_DOT_PAIR(NAME, WEIGHTS, BYTES, NB)                                      \
+    static void NAME##_pair_##NB(const uint8_t *row, int64_t row_bytes, const float *x,      \
+                                 int64_t K, float *out)                                       \
+    {                                                                                         \
+        __m512 acc[2][NB];                                                                    \
+        for (int c = 0; c < 2; c++)                                                           \
+            for (int r = 0; r < NB; r++)                                                      \
+                acc[c][r] = _mm512_setzero_ps();                                              \
+        for (int64_t b = 0; b < K / BLOCK_WEIGHTS; b++) {                                     \
+            __m512 w0[2], w1[2];                                                              \
+            for (int c = 0; c < 2; c++) {                                                     \
+                const uint8_t *p = row + c * row_bytes + b * BYTES;                           \
+                _mm_prefetch((const char *)p + BLOCKS_PREFETCH_AHEAD, _MM_HINT_T0);           \
+                WEIGHTS(p, &w0[c], &w1[c]);                                                   \
+            }                                                                                 \
+            for (int r = 0; r < NB; r++) {                                                    \
+                const float *xr = x + r * K + b * BLOCK_WEIGHTS;                              \
+                __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);               \
+                IN_REGISTER(x0);                                                              \
+                IN_REGISTER(x1);                                                              \
+                for (int c = 0; c < 2; c++) {                                                 \
+                    acc[c][r] = _mm512_fmadd_ps(w0[c], x0, acc[c][r]);                        \
+                    acc[c][r] = _mm512_fmadd_ps(w1[c], x1, acc[c][r]);                        \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int c = 0; c < 2; c++)                                                           \
+            for (int r = 0; r < NB; r++)                                                      \
+                out[c * NB + r] = _mm512_reduce_add_ps(acc[c][r]);                            \
+    }
+#define FOR_PAIR_COUNTS(DEFINE, NAME, WEIGHTS, BYTES)                                         \
+    DEFINE(NAME, WEIGHTS, BYTES, 5)                                                           \
+    DEFINE(NAME, WEIGHTS, BYTES, 6)                                                           \
+    DEFINE(NAME, WEIGHTS, BYTES, 7)                                                           \
+    DEFINE(NAME, WEIGHTS, BYTES, 8)
+FOR_PAIR_COUNTS(DEFINE_BLOCKS_DOT_PAIR, q41_dot, q41_weights, Q41_BYTES)
+FOR_PAIR_COUNTS(DEFINE_BLOCKS_DOT_PAIR, q80_dot, q80_weights, Q80_BYTES)
+
+/* Dot products of one block row (format fmt) with nb <= BLOCKS_PASS_ROWS rows of x (row
+ * stride K), or of two (row_bytes apart; pair, for nb > 4): out [1 or 2][nb]. */
+static void row_dot(const uint8_t *row, int64_t row_bytes, int pair, int fmt, const float *x,
+                    int64_t K, int nb, float *out)
 {
     typedef void (*dot)(const uint8_t *, const float *, int64_t, float *);
-    static const dot q41[4] = {q41_dot_1, q41_dot_2, q41_dot_3, q41_dot_4};
-    static const dot q80[4] = {q80_dot_1, q80_dot_2, q80_dot_3, q80_dot_4};
-    (fmt == BLOCKS_Q8_0 ? q80 : q41)[nb - 1](row, x, K, out);
+    typedef void (*dot2)(const uint8_t *, int64_t, const float *, int64_t, float *);
+    static const dot q41[BLOCKS_PASS_ROWS] = {q41_dot_1, q41_dot_2, q41_dot_3, q41_dot_4,
+                                              q41_dot_5, q41_dot_6, q41_dot_7, q41_dot_8};
+    static const dot q80[BLOCKS_PASS_ROWS] = {q80_dot_1, q80_dot_2, q80_dot_3, q80_dot_4,
+                                              q80_dot_5, q80_dot_6, q80_dot_7, q80_dot_8};
+    static const dot2 q41_pair[4] = {q41_dot_pair_5, q41_dot_pair_6, q41_dot_pair_7,
+                                     q41_dot_pair_8};
+    static const dot2 q80_pair[4] = {q80_dot_pair_5, q80_dot_pair_6, q80_dot_pair_7,
+                                     q80_dot_pair_8};
+    if (pair)
+        (fmt == BLOCKS_Q8_0 ? q80_pair : q41_pair)[nb - 5](row, row_bytes, x, K, out);
+    else
+        (fmt == BLOCKS_Q8_0 ? q80 : q41)[nb - 1](row, x, K, out);
 }
 #endif
 
@@ -297,8 +365,12 @@ static void row_dot_bf16(const uint8_t *row, int fmt, const uint16_t *x, int64_t
                          float *out)
 {
     typedef void (*dot)(const uint8_t *, const uint16_t *, int64_t, float *);
-    static const dot q41[4] = {q41_dot_bf16_1, q41_dot_bf16_2, q41_dot_bf16_3, q41_dot_bf16_4};
-    static const dot q80[4] = {q80_dot_bf16_1, q80_dot_bf16_2, q80_dot_bf16_3, q80_dot_bf16_4};
+    static const dot q41[BLOCKS_PASS_ROWS] = {
+        q41_dot_bf16_1, q41_dot_bf16_2, q41_dot_bf16_3, q41_dot_bf16_4,
+        q41_dot_bf16_5, q41_dot_bf16_6, q41_dot_bf16_7, q41_dot_bf16_8};
+    static const dot q80[BLOCKS_PASS_ROWS] = {
+        q80_dot_bf16_1, q80_dot_bf16_2, q80_dot_bf16_3, q80_dot_bf16_4,
+        q80_dot_bf16_5, q80_dot_bf16_6, q80_dot_bf16_7, q80_dot_bf16_8};
     (fmt == BLOCKS_Q8_0 ? q80 : q41)[nb - 1](row, x, K, out);
 }
 #endif
@@ -346,43 +418,55 @@ int blocks_fast(int dt)
     return 0;
 }
 
-/* One block row's dot products with nb <= 4 rows of x (row stride K, dtype dt). */
-static void any_row_dot(const uint8_t *row, int fmt, const void *x, int dt, int64_t K, int nb,
-                        float *out)
+/* Dot products of one block row, or of two where a vector form takes pairs (float32, 5-8
+ * rows of x: `pair` asks, the return says whether they were), with nb <= BLOCKS_PASS_ROWS
+ * rows of x (row stride K, dtype dt): out [1 or 2][nb]. */
+static int any_row_dot(const uint8_t *row, int64_t row_bytes, int pair, int fmt, const void *x,
+                       int dt, int64_t K, int nb, float *out)
 {
 #ifdef BLOCKS_BF16_AVX512
     if (dt == DT_BF16) {
         row_dot_bf16(row, fmt, x, K, nb, out);
-        return;
+        return 0;
     }
 #endif
 #ifdef BLOCKS_AVX512
     if (dt == DT_F32) {
-        row_dot(row, fmt, x, K, nb, out);
-        return;
+        pair = pair && nb > 4;
+        row_dot(row, row_bytes, pair, fmt, x, K, nb, out);
+        return pair;
     }
 #endif
+    (void)row_bytes;
+    (void)pair;
     scalar_dot(row, fmt, x, dt, K, nb, out);
+    return 0;
 }
 
 /* Columns [n0, n1) of y [M, N] (row stride y_stride, dtype dt) for the M rows of x (dtype
  * dt, [M, K], as the decode stack prepares them: bfloat16 stays bfloat16); w: N rows of
- * K / 32 blocks of format fmt. M <= 4 per pass (the rows of a decode step's GEMV), more in
- * passes of 4. */
+ * K / 32 blocks of format fmt. M <= BLOCKS_PASS_ROWS rows of x per pass (the rows of a
+ * decode step's GEMV), more in passes of that many; two columns a pass where it can. */
 void blocks_rows(const void *x, const uint8_t *w, int fmt, void *y, int64_t y_stride,
                  int64_t M, int64_t n0, int64_t n1, int64_t K, int dt)
 {
     const int64_t row_bytes = blocks_row_bytes(K, fmt);
     const size_t es = dt == DT_F32 ? 4 : 2;
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t b0 = 0; b0 < M; b0 += 4) {
-            const int nb = M - b0 < 4 ? (int)(M - b0) : 4;
-            float out[4];
-            any_row_dot(w + n * row_bytes, fmt, (const char *)x + (size_t)(b0 * K) * es, dt, K,
-                        nb, out);
-            for (int b = 0; b < nb; b++)
-                store_sum(y, (b0 + b) * y_stride + n, out[b], dt);
+    for (int64_t n = n0, cols; n < n1; n += cols) {
+        cols = n + 1 < n1 ? 2 : 1;
+        for (int64_t b0 = 0; b0 < M; b0 += BLOCKS_PASS_ROWS) {
+            const int nb = M - b0 < BLOCKS_PASS_ROWS ? (int)(M - b0) : BLOCKS_PASS_ROWS;
+            const char *xb = (const char *)x + (size_t)(b0 * K) * es;
+            float out[2 * BLOCKS_PASS_ROWS];
+            if (!any_row_dot(w + n * row_bytes, row_bytes, cols == 2, fmt, xb, dt, K, nb, out)
+                && cols == 2)
+                any_row_dot(w + (n + 1) * row_bytes, row_bytes, 0, fmt, xb, dt, K, nb,
+                            out + nb);
+            for (int c = 0; c < cols; c++)
+                for (int b = 0; b < nb; b++)
+                    store_sum(y, (b0 + b) * y_stride + n + c, out[c * nb + b], dt);
         }
+    }
 }
 
 /* y [M, N] = x [M, K] @ W^T, x and y of dtype dt and contiguous, W as blocks of format fmt;
