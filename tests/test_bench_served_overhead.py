@@ -18,6 +18,10 @@ def test_sampling_fields_parse_into_valid_params():
     assert a.sampling == {"temperature": 1.0, "top_p": 0.95, "top_k": 40}
     assert isinstance(a.sampling["top_k"], int)
     assert not SamplingParams(max_tokens=8, **a.sampling).greedy
+    a = build_parser().parse_args(["--sampling", "temperature=0,repetition_penalty=1.1,"
+                                   "presence_penalty=0.5,frequency_penalty=0.3"])
+    params = SamplingParams(max_tokens=8, **a.sampling)
+    assert params.greedy and params.repetition_penalty == 1.1 and params.frequency_penalty == 0.3
 
 
 @pytest.mark.parametrize("value,message", [

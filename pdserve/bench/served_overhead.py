@@ -115,7 +115,9 @@ def weight_bytes(model) -> int:
 
 
 GREEDY = {"temperature": 0.0}
-SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float}
+SAMPLING_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                 "repetition_penalty": float, "presence_penalty": float,
+                 "frequency_penalty": float}
 
 
 def sampling_fields(text: str) -> dict[str, float | int]:
