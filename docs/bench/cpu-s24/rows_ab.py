@@ -4,8 +4,9 @@ threads; the median forward of N steps after the batch is all decodes.
 
     DTYPE=float32|bfloat16 OMP_WAIT_POLICY=PASSIVE python docs/bench/cpu-s24/rows_ab.py 5,6,8 10
 
-The form is chosen by the stack's `gemv_rows` (the most rows its GEMV takes): 4 sends every
-batch past 4 rows to the panels (as before session 24), 64 sends every batch to the GEMV.
+The form is chosen by the stack's `gemv_rows` (the most rows its GEMV takes): PANELS_PAST
+(default 4) sends every batch past that many rows to the panels (4: as before session 24),
+64 sends every batch to the GEMV.
 """
 
 import os
@@ -47,5 +48,6 @@ def median_forward_ms(b: int, gemv_rows: int) -> float:
 
 for rnd in range(2):
     for b in BS:
-        panels, blocks = median_forward_ms(b, 4), median_forward_ms(b, 64)
+        panels = median_forward_ms(b, int(os.environ.get("PANELS_PAST", "4")))
+        blocks = median_forward_ms(b, 64)
         print(f"round {rnd} B={b}: panels {panels:.1f} ms  blocks {blocks:.1f} ms", flush=True)
