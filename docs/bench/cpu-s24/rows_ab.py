@@ -1,6 +1,6 @@
 """Pure decode steps of B rows in process, the decode stack's GEMV over the GGUF blocks
-against its batched form over the packed panels, alternated per B (two rounds), two
-threads; the median forward of N steps after the batch is all decodes.
+against its batched form over the packed panels, alternated per B (ROUNDS rounds, default
+two), two threads; the median forward of N steps after the batch is all decodes.
 
     DTYPE=float32|bfloat16 OMP_WAIT_POLICY=PASSIVE python docs/bench/cpu-s24/rows_ab.py 5,6,8 10
 
@@ -46,7 +46,7 @@ def median_forward_ms(b: int, gemv_rows: int) -> float:
     return statistics.median(t.forward_seconds * 1e3 for t in eng.trace[n0:n0 + N])
 
 
-for rnd in range(2):
+for rnd in range(int(os.environ.get("ROUNDS", "2"))):
     for b in BS:
         panels = median_forward_ms(b, int(os.environ.get("PANELS_PAST", "4")))
         blocks = median_forward_ms(b, 64)
