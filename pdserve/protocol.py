@@ -127,6 +127,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """A repetition, presence or frequency penalty: sampling reads the output's tokens."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty
+                                                      or self.frequency_penalty)
+
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> SamplingParams:
         """From client fields; None means unset (the default applies)."""

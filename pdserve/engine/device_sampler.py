@@ -58,8 +58,7 @@ class SampleFlags:
     def of(rows: list[SampleRow], vocab: int) -> SampleFlags:
         ps = [r.params for r in rows]
         return SampleFlags(
-            penalties=any(p.repetition_penalty != 1.0 or p.presence_penalty
-                          or p.frequency_penalty for p in ps),
+            penalties=any(p.penalized for p in ps),
             ban=any(len(r.output_token_ids) < r.params.min_tokens for r in rows),
             random=any(not p.greedy for p in ps),
             sort=any(not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0) for p in ps),
@@ -91,10 +90,6 @@ def _touched_lists(rows: list[SampleRow], vocab: int) -> tuple[list[int], ...]:
             ban_t.extend(t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < vocab)
             ban_r.extend([i] * (len(ban_t) - len(ban_r)))
     return seen_r, seen_t, out_r, out_t, ban_r, ban_t
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
 
 @dataclass(frozen=True)
@@ -162,10 +157,11 @@ class _PenaltyTable:
         return table
 
     def advance(self, row: SampleRow, vocab: int) -> bool:
-        """Read the output tokens appended since the last step; False (nothing changed) when
-        this is not the row's table or its output changed other than by appending: the
-        request left and another took its lists' place, or an overlap placeholder that was
-        read has been replaced (a penalised row never samples after one, see overlap.py)."""
+        """Read the output tokens appended since the last step; False (nothing read: build
+        the row's table anew) when this is not the row's table or its output changed other
+        than by appending: the request left and another took its lists' place, or an overlap
+        placeholder that was read has been replaced (a penalised row never samples after one,
+        see overlap.py)."""
         out = row.output_token_ids
         if (out is not self.output or row.prompt_token_ids is not self.prompt
                 or row.params is not self.params or len(out) < self.read
@@ -231,7 +227,7 @@ class PenaltyTables:
         repetition = counting = False
         for i, r in enumerate(rows):
             p = r.params
-            if _has_penalty(p):
+            if p.penalized:
                 key = id(r.output_token_ids)
                 table = self._tables.get(key)
                 if table is None or not table.advance(r, vocab):

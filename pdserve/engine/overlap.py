@@ -184,8 +184,7 @@ class OverlapStepper:
             return False
         for s in scheduled:
             p = s.seq.params
-            if s.seq.request_id in f.pending and (
-                    p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+            if s.seq.request_id in f.pending and p.penalized:
                 return True
         return False
 

@@ -67,7 +67,7 @@ class OldTables:
             (torch.tensor(ban_r, dtype=torch.long), torch.tensor(ban_t, dtype=torch.long)))
 
     def clear(self) -> None:
-        pass
+        """Nothing is kept between steps."""
 
 
 def old_penalized(logits, bufs, flags):

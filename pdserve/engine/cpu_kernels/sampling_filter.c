@@ -246,8 +246,9 @@ static int64_t filtered_row(const float *x, int64_t V, float t, int64_t k, float
             last++;
         while (last < NB - 1 && !count[last]);
         last = last < NB - 1 ? last : NB - 1;
-        if (use_min_p && min_p_reach(thr) <= last) {
-            last = min_p_reach(thr);
+        const int reach = use_min_p ? min_p_reach(thr) : NB;
+        if (reach <= last) {
+            last = reach;
             covers_min_p = 1;
         }
     }
