@@ -149,3 +149,26 @@ def test_a_stream_interval_sends_tokens_n_at_a_time(tiny_model_dir):
     # the first token goes at once; between it and the end, four or more to a message
     assert all(n >= 4 for n in sizes[1:-1]), sizes
     assert len(chunks) <= 2 + LONG.max_tokens // 4 and timer.count == LONG.max_tokens
+
+
+def test_tokens_per_s_counts_the_window_and_forgets_what_left_it(tiny_model_dir, monkeypatch):
+    """EngineStats.tokens_per_s: the tokens delivered over the last RATE_WINDOW_S, per
+    second; back to 0 once they are older, and right again for the next request."""
+    window = 1.0
+    monkeypatch.setattr(AsyncEngine, "RATE_WINDOW_S", window)
+
+    async def rate_becomes(aeng: AsyncEngine, want: float) -> None:
+        for _ in range(100):  # an idle engine takes a snapshot every 0.5 s
+            if aeng.stats().tokens_per_s == pytest.approx(want):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"tokens_per_s {aeng.stats().tokens_per_s}, want {want}")
+
+    async def main():
+        async with _running(tiny_model_dir) as aeng:
+            for rid in ("a", "b"):
+                assert len([d async for d in aeng.generate(rid, PROMPT, GREEDY)]) == 12
+                await rate_becomes(aeng, 12 / window)
+                await rate_becomes(aeng, 0.0)
+
+    asyncio.run(main())

@@ -76,6 +76,8 @@ _KEEPALIVE = object()
 
 
 class AsyncEngine:
+    RATE_WINDOW_S = 5.0  # EngineStats.tokens_per_s: the tokens delivered over this long
+
     def __init__(self, engine: LLMEngine, max_prefix_hashes: int = 0) -> None:
         """max_prefix_hashes: how many cached prefix hashes the stats carry (0: none)."""
         self.engine = engine
@@ -88,7 +90,8 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._rate_window: list[tuple[float, int]] = []
+        self._rate_window: deque[tuple[float, int]] = deque()
+        self._rate_sum = 0  # tokens in _rate_window
         self._hashes: tuple[int, ...] = ()
         self._hash_version = -1
         self._stats = self._snapshot()
@@ -331,6 +334,7 @@ class AsyncEngine:
             return
         now = time.monotonic()
         self._rate_window.append((now, len(deltas)))
+        self._rate_sum += len(deltas)
         for fn in self.step_listeners:
             fn(deltas)
         assert self._loop is not None
@@ -357,9 +361,9 @@ class AsyncEngine:
         ps = eng.pool.stats()
         now = time.monotonic()
         window = self._rate_window
-        while window and now - window[0][0] > 5.0:
-            window.pop(0)
-        rate = sum(n for _, n in window) / 5.0 if window else 0.0
+        while window and now - window[0][0] > self.RATE_WINDOW_S:
+            self._rate_sum -= window.popleft()[1]
+        rate = self._rate_sum / self.RATE_WINDOW_S
         reserved = sum(1 for q in eng.seqs.values()
                        if q.status == SequenceStatus.WAITING_FOR_KV)
         if self.max_prefix_hashes and eng.pool.hash_version != self._hash_version:
