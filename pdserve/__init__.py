@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 # `pdserve up`, iomgr took 12-24 % less of the gateway's CPU a token and 6-17 % less of
 # the decode worker's outside its engine (docs/benchmarks.md, section 6, session 25). Set
 # before anything imports grpc; a GRPC_EXPERIMENTS already set is left as it is.
-GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener,-event_engine_dns"
+GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 _os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
 
 _ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
