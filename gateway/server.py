@@ -6,8 +6,9 @@ ones and, with a planner mode set, the planner's driver: every interval it feeds
 `planner.Planner` the registry's loads and this gateway's recent TTFT/TPOT, orders the
 switch it decides (WorkerControl.SwitchRole), logs and counts it.
 
-Life cycle: `start()` binds the ports with health NOT_SERVING, loads the tokenizer and
-config (never weights) and fingerprints the model, then serves; health (gRPC and HTTP
+Life cycle: `start()` binds and starts the gRPC servers with health NOT_SERVING (other
+calls UNAVAILABLE), loads the tokenizer and config (never weights) and fingerprints the
+model, then serves; health (gRPC and HTTP
 `/health`) says SERVING only while a request can be routed (`ready`): at least one live
 decode worker, and a live prefill worker when static prefill workers are configured
 (registered ones are optional: without any, prompts run colocated); `stop()` turns
@@ -54,6 +55,7 @@ from pdserve.gateway.registry import Role, Worker, WorkerRegistry
 from pdserve.gateway.registry_api import RegistryServicer
 from pdserve.gateway.wire_check import MalformedRequests
 from pdserve.grpc_health import GrpcHealth
+from pdserve.grpc_refusal import LateServices
 from pdserve.metrics import PlannerMetrics, TierMetrics, histogram_totals
 from pdserve.protocol import DEFAULT_MAX_TOKENS
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -168,17 +170,25 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.config
         cfg.credentials.require_for(cfg.host, "the gateway's registry listener")
-        # the public port: clients carry no cluster credential
+        # the public port: clients carry no cluster credential. Both servers answer from
+        # the moment they listen (UNAVAILABLE until their servicers are in), never holding
+        # a connection while the tokenizer loads (grpc_refusal.LateServices)
         self._server = rpc.server(cfg.credentials, internal=False,
                                   interceptors=(MalformedRequests(),))
+        public = LateServices("the gateway is starting: its tokenizer is still loading")
+        self._server.add_generic_rpc_handlers((public,))
         self.health = GrpcHealth(self._server, (GATEWAY_SERVICE,))
         await self._set_health(False)
         self.grpc_port = rpc.add_port(self._server, f"{cfg.host}:{cfg.grpc_port}", None)
         self._registry_server = rpc.server(cfg.credentials)
+        registry = LateServices("the gateway is starting: its tokenizer is still loading")
+        self._registry_server.add_generic_rpc_handlers((registry,))
         self.registry_health = GrpcHealth(self._registry_server, (REGISTRY_SERVICE,))
         await self.registry_health.set_serving(False)
         self.registry_port = rpc.add_port(self._registry_server,
                                           f"{cfg.host}:{cfg.registry_port}", cfg.credentials)
+        await self._server.start()
+        await self._registry_server.start()
 
         source = resolve_model(cfg.model)
         # one thread: transformers' lazy imports are not safe to race
@@ -192,13 +202,13 @@ class Gateway:
                                          cfg.rpc_timeout_s, cfg.stream_idle_s,
                                          reader_timeout_s=cfg.reader_timeout_s)
         servicer = GatewayServicer(self.prompts, self.orchestrator, self.registry)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self._server)
-        await self._server.start()
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, public)
+        public.opened()
         gateway_pb2_grpc.add_WorkerRegistryServicer_to_server(
             RegistryServicer(self.registry, own,
                              heartbeat_interval_s=min(1.0, cfg.heartbeat_timeout_s / 3)),
-            self._registry_server)
-        await self._registry_server.start()
+            registry)
+        registry.opened()
 
         http = OpenAIServer(self.prompts, self.orchestrator, self.registry, self.metrics,
                             self.ready, cfg.max_body_bytes, cfg.reader_timeout_s)

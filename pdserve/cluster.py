@@ -609,7 +609,16 @@ class LocalCluster:
 
         assert self._children, "start() first"
         t0 = time.monotonic()
-        channels = {ch.name: grpc.insecure_channel(f"{self.config.host}:{ch.grpc_port}")
+        from pdserve.rpc import RECONNECT_OPTIONS
+
+        # polled from before the children listen. Each check waits for its channel to
+        # connect (wait_for_ready), bounded by its timeout: only a call in progress drives a
+        # blocking-API channel's connection attempts under grpcio's iomgr client (pdserve's
+        # GRPC_EXPERIMENTS), and with fail-fast checks none was: a refused first attempt
+        # was retried only at gRPC's 20 s connect timeout, and every cluster took ~20 s to
+        # be healthy
+        channels = {ch.name: grpc.insecure_channel(f"{self.config.host}:{ch.grpc_port}",
+                                                   options=RECONNECT_OPTIONS)
                     for ch in self._children}
         try:
             while True:
@@ -619,7 +628,8 @@ class LocalCluster:
                         continue
                     stub = health_pb2_grpc.HealthStub(channels[ch.name])
                     try:
-                        r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                        r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0,
+                                       wait_for_ready=True)
                         ok = r.status == health_pb2.HealthCheckResponse.SERVING
                     except grpc.RpcError:
                         ok = False

@@ -5,6 +5,12 @@ workers and its registry listener, the workers' servers and their registration c
 prefill worker's KV push channel — so a server never polices a ping rate its clients were
 configured to exceed (the `GOAWAY too_many_pings` an idle cluster used to collect).
 
+Reconnection (`RECONNECT_OPTIONS`): a channel whose peer is down retries after 0.1 s at
+first, backing off to once a second. gRPC's own backoff (1 s, growing 1.6x a try up to
+120 s) leaves a channel that tried a peer before it was up, or while `pdserve up` restarted
+it, idle for up to a try's backoff after the peer is back, failing calls as UNAVAILABLE
+meanwhile (after a minute down, ~20-30 s).
+
 Keepalive, from one `Keepalive`:
   channel: ping every `time_s` even with no call open, give up after `timeout_s` unacked
   server:  accept pings down to `time_s / 2` apart with no call open (jitter never strikes),
@@ -21,6 +27,11 @@ import grpc
 from pdserve.cluster_auth import ClusterCredentials, client_interceptors, server_interceptors
 
 MAX_MESSAGE_BYTES = 64 * 2**20  # KV chunks and long prompts fit comfortably
+
+# how soon a channel retries a peer that refused or dropped it (see the top); a try a
+# second per channel to a peer that stays down costs next to nothing inside a cluster
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass(frozen=True)
@@ -78,7 +89,8 @@ def add_port(srv: grpc.aio.Server, address: str, creds: ClusterCredentials | Non
 def aio_channel(address: str, creds: ClusterCredentials,
                 keepalive: Keepalive = DEFAULT_KEEPALIVE) -> grpc.aio.Channel:
     """A grpc.aio channel to a cluster member: every call carries the credential."""
-    options = [*_LIMITS, *keepalive.channel_options(), *creds.channel_options()]
+    options = [*_LIMITS, *RECONNECT_OPTIONS, *keepalive.channel_options(),
+               *creds.channel_options()]
     tls = creds.channel_credentials()
     interceptors = client_interceptors(creds) or None
     if tls is not None:
@@ -92,8 +104,8 @@ def sync_channel(address: str, creds: ClusterCredentials,
     """A blocking-API channel (the KV sender's threads). Calls must pass
     `creds.metadata()` themselves."""
     # later settings win (dict order), so a caller may lift a limit
-    opts = list(dict([*_LIMITS, *keepalive.channel_options(), *creds.channel_options(),
-                      *options]).items())
+    opts = list(dict([*_LIMITS, *RECONNECT_OPTIONS, *keepalive.channel_options(),
+                      *creds.channel_options(), *options]).items())
     tls = creds.channel_credentials()
     if tls is not None:
         return grpc.secure_channel(address, tls, options=opts)

@@ -38,7 +38,7 @@ from pdserve.engine.heap_tuning import retain_freed_memory
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine_args import add_engine_args, engine_config_from_args
 from pdserve.grpc_health import GrpcHealth
-from pdserve.grpc_refusal import refusing_handler
+from pdserve.grpc_refusal import LateServices
 from pdserve.metrics import CONTENT_TYPE, TierMetrics
 from pdserve.protocol import SamplingParams
 from pdserve.protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -127,44 +127,6 @@ def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
                         credentials=credentials_from_args(a), **extra)
 
 
-class _LateServices(grpc.GenericRpcHandler):
-    """Servicers added after the server started (the model loads while health already
-    answers). Installed before start as one generic handler. Until `opened()`, a call to
-    any method not there yet is turned away with UNAVAILABLE: a worker restarted on the
-    address the gateway still routes to must not answer UNIMPLEMENTED, which callers take
-    for "this worker lacks the method" (the gateway's sessions fall back to a call per
-    request on it) rather than "try another worker". After `opened()` an unknown method is
-    UNIMPLEMENTED. `refuse(method)` may name a reason to turn a call away with UNAVAILABLE
-    (a worker leaving a tier refuses that tier's new work), which the gateway's retry
-    policy passes on to the next worker."""
-
-    def __init__(self) -> None:
-        self._handlers: list[grpc.GenericRpcHandler] = []
-        self._starting: grpc.RpcMethodHandler | None = refusing_handler(
-            grpc.StatusCode.UNAVAILABLE, "the worker is starting: its model is still loading")
-        self.refuse: Callable[[str], str | None] = lambda method: None
-
-    def opened(self) -> None:
-        """Every servicer is in: unknown methods are UNIMPLEMENTED from now on."""
-        self._starting = None
-
-    def service(self, handler_call_details):
-        for h in self._handlers:
-            handler = h.service(handler_call_details)
-            if handler is not None:
-                reason = self.refuse(handler_call_details.method)
-                return handler if reason is None else refusing_handler(
-                    grpc.StatusCode.UNAVAILABLE, reason)
-        return self._starting
-
-    # what the generated add_*Servicer_to_server functions call on a "server"
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        self._handlers.extend(handlers)
-
-    def add_registered_method_handlers(self, service_name, method_handlers) -> None:
-        pass  # the generic handler above already routes these methods
-
-
 class GrpcService:
     """A grpc.aio server with health (NOT_SERVING until `set_serving`) and reflection.
     Tier servicers go on `services`, which works before and after `start()`."""
@@ -172,7 +134,7 @@ class GrpcService:
     def __init__(self, host: str, port: int, service_names: tuple[str, ...] = (),
                  credentials: ClusterCredentials = ClusterCredentials()) -> None:
         self.server = rpc.server(credentials)
-        self.services = _LateServices()
+        self.services = LateServices("the worker is starting: its model is still loading")
         self.server.add_generic_rpc_handlers((self.services,))
         self.port = rpc.add_port(self.server, f"{host}:{port}", credentials)
         self.health = GrpcHealth(self.server, service_names)

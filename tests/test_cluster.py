@@ -116,8 +116,9 @@ def test_up_help_is_truthful():
 # ---------------------------------------------------------------------------- stand-in tiers
 
 FAKE_TIER = textwrap.dedent('''
-    """A stand-in tier: gRPC health (SERVING after FAKE_DELAY s) and, for the gateway, an
-    HTTP /health. Records its argv and CPU affinity; misbehaves on request."""
+    """A stand-in tier: gRPC health (listening after FAKE_BIND_DELAY s, SERVING FAKE_DELAY s
+    later) and, for the gateway, an HTTP /health. Records its argv, CPU affinity and when it
+    turned SERVING; misbehaves on request."""
     import argparse, http.server, json, os, signal, subprocess, sys, threading, time
     from concurrent import futures
 
@@ -147,6 +148,7 @@ FAKE_TIER = textwrap.dedent('''
             g = subprocess.Popen(["sleep", "300"])
             with open(os.path.join(out, name + ".grandchild"), "w") as f:
                 f.write(str(g.pid))
+        time.sleep(float(os.environ.get("FAKE_BIND_DELAY", "0")))
         server = grpc.server(futures.ThreadPoolExecutor(4))
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -164,6 +166,8 @@ FAKE_TIER = textwrap.dedent('''
             threading.Thread(target=httpd.serve_forever, daemon=True).start()
         time.sleep(float(os.environ.get("FAKE_DELAY", "0.5")))
         hs.set("", health_pb2.HealthCheckResponse.SERVING)
+        with open(os.path.join(out, name + ".serving"), "w") as f:
+            f.write(repr(time.time()))
         print(name, "serving", flush=True)
         while True:
             time.sleep(1)
@@ -261,6 +265,25 @@ def test_local_cluster_starts_waits_and_stops(fakes):
     assert len(pids) == 4 and all(_gone(p) for p in pids)
     assert _gone(grandchild), "a worker's own child outlived stop()"
     cluster.stop()  # idempotent
+
+
+def test_wait_healthy_sees_late_listeners_within_a_second(fakes):
+    # Tiers listen only after their imports (seconds): the health channels fail to connect
+    # at first and must retry promptly. Under grpcio's iomgr client (pdserve's
+    # GRPC_EXPERIMENTS) such a channel in a process polling nothing else retried only at
+    # gRPC's 20 s connect timeout, so every `pdserve up` waited ~20 s for a cluster up in 5
+    # (pdserve.rpc.RECONNECT_OPTIONS).
+    cluster = _fake_cluster(fakes, num_prefill=1, num_decode=1, cpus="none",
+                            env={"FAKE_BIND_DELAY": "2", "FAKE_DELAY": "0.2"})
+    try:
+        cluster.start()
+        cluster.wait_healthy(timeout=60, poll_s=0.1)
+        seen = time.time()
+    finally:
+        cluster.stop(grace=5)
+    served = max(float((fakes / "out" / f"{n}.serving").read_text())
+                 for n in ("gateway", "prefill-0", "decode-0"))
+    assert seen - served < 2.5, f"healthy {seen - served:.1f}s after the last tier served"
 
 
 def test_child_exit_fails_fast_with_its_log(fakes):

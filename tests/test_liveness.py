@@ -34,6 +34,8 @@ from pdserve.protos.pdserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
     kvtransfer_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
@@ -433,6 +435,69 @@ def test_a_worker_still_loading_is_unavailable_not_unimplemented():
     assert all("starting" in d for _, d in loading), loading
     assert health == health_pb2.HealthCheckResponse.NOT_SERVING
     assert opened == [grpc.StatusCode.UNIMPLEMENTED]
+
+
+def test_a_starting_gateway_answers_unavailable_rather_than_holding_the_connection(
+        tiny_model_dir, monkeypatch):
+    """While the gateway loads its tokenizer, its public and registry ports already answer:
+    health NOT_SERVING, every other call UNAVAILABLE ("starting"), which callers retry. A
+    port that listened before it served held each connection until gRPC's connect timeout
+    (20 s): workers registering then, or a client, waited that long."""
+    import threading
+
+    from pdserve.gateway import server as gateway_server
+    from pdserve.gateway.server import Gateway, GatewayConfig
+
+    release = threading.Event()
+    real = gateway_server.load_tokenizer
+
+    def slow_tokenizer(source):
+        release.wait(30)
+        return real(source)
+
+    monkeypatch.setattr(gateway_server, "load_tokenizer", slow_tokenizer)
+
+    async def run() -> tuple[list, int, int]:
+        g = Gateway(GatewayConfig(model=tiny_model_dir, http_port=0, grpc_port=0,
+                                  registry_port=0))
+        start = asyncio.create_task(g.start())
+        while g.registry_port is None:
+            await asyncio.sleep(0.01)
+        starting = []
+        try:
+            async with grpc.aio.insecure_channel(g.grpc_address) as pub, \
+                    grpc.aio.insecure_channel(g.registry_address) as reg:
+                # wait_for_ready: a held connection shows as DEADLINE_EXCEEDED, not as a
+                # refusal the channel would fail fast with
+                for call in (
+                        lambda: gateway_pb2_grpc.GatewayStub(pub).ListModels(
+                            gateway_pb2.ListModelsRequest(), timeout=5, wait_for_ready=True),
+                        lambda: gateway_pb2_grpc.WorkerRegistryStub(reg).Heartbeat(
+                            gateway_pb2.HeartbeatRequest(worker_id="w"), timeout=5,
+                            wait_for_ready=True)):
+                    try:
+                        await call()
+                        starting.append(("OK", ""))
+                    except grpc.aio.AioRpcError as e:
+                        starting.append((e.code(), e.details()))
+                health = (await health_pb2_grpc.HealthStub(pub).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5)).status
+                release.set()
+                await start
+                models = await gateway_pb2_grpc.GatewayStub(pub).ListModels(
+                    gateway_pb2.ListModelsRequest(), timeout=5)
+            return starting, health, len(models.models)
+        finally:
+            release.set()
+            if not start.done():
+                start.cancel()
+            await g.stop(0)
+
+    starting, health, models = asyncio.run(run())
+    assert [c for c, _ in starting] == [grpc.StatusCode.UNAVAILABLE] * 2, starting
+    assert all("gateway is starting" in d for _, d in starting), starting
+    assert health == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert models == 1
 
 
 async def _first(call):
