@@ -458,3 +458,50 @@ def test_idle_channels_keep_their_connection():
     ours, default = asyncio.run(main())
     assert ours == {"READY"}
     assert default != {"READY"}
+
+
+def test_a_cluster_channel_reaches_a_restarted_peer_within_a_second():
+    """A peer down for 6.5 s (a worker `pdserve up` restarts, its model loading) and then
+    back on its address: the tiers' channels (`rpc.aio_channel`) try it again at most a
+    second apart, so a call made 1.5 s after it is back gets through. With gRPC's default
+    backoff (1 s, 1.6x a try) the tries fall near 1, 2.6, 5.2 and 9.3 s: the channel would
+    still be waiting out its backoff then, failing calls as UNAVAILABLE."""
+    from grpc_health.v1 import health
+
+    async def main() -> tuple[list[str], str]:
+        srv = rpc.server(ClusterCredentials())
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), srv)
+        port = rpc.add_port(srv, "127.0.0.1:0", None)
+        await srv.start()
+        await srv.stop(0)  # the port is known and nothing listens on it
+        ch = rpc.aio_channel(f"127.0.0.1:{port}", ClusterCredentials())
+        stub = health_pb2_grpc.HealthStub(ch)
+        down = []
+        try:
+            for _ in range(13):  # fail-fast calls every 0.5 s while the peer is down
+                try:
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                    down.append("OK")
+                except grpc.aio.AioRpcError as e:
+                    down.append(e.code().name)
+                await asyncio.sleep(0.5)
+            back = rpc.server(ClusterCredentials())
+            health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), back)
+            rpc.add_port(back, f"127.0.0.1:{port}", None)
+            await back.start()
+            try:
+                await asyncio.sleep(1.5)
+                try:
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                    after = "OK"
+                except grpc.aio.AioRpcError as e:
+                    after = e.code().name
+            finally:
+                await back.stop(0)
+        finally:
+            await ch.close()
+        return down, after
+
+    down, after = asyncio.run(main())
+    assert set(down) <= {"UNAVAILABLE", "DEADLINE_EXCEEDED"} and down, down
+    assert after == "OK"
