@@ -1,6 +1,6 @@
 #!/bin/bash
 # Workload c, both dtypes, alternating this tree and 06a7845 (git worktree add /tmp/old 06a7845)
-cd /work/main
+cd "$(dirname "$0")/../../.."
 for r in 1 2; do
   for v in new old; do
     if [ $v = old ]; then export PYTHONPATH=/tmp/old; else unset PYTHONPATH; fi
