@@ -175,13 +175,14 @@ class Gateway:
         # a connection while the tokenizer loads (grpc_refusal.LateServices)
         self._server = rpc.server(cfg.credentials, internal=False,
                                   interceptors=(MalformedRequests(),))
-        public = LateServices("the gateway is starting: its tokenizer is still loading")
+        starting = "the gateway is starting: its tokenizer is still loading"
+        public = LateServices(starting)
         self._server.add_generic_rpc_handlers((public,))
         self.health = GrpcHealth(self._server, (GATEWAY_SERVICE,))
         await self._set_health(False)
         self.grpc_port = rpc.add_port(self._server, f"{cfg.host}:{cfg.grpc_port}", None)
         self._registry_server = rpc.server(cfg.credentials)
-        registry = LateServices("the gateway is starting: its tokenizer is still loading")
+        registry = LateServices(starting)
         self._registry_server.add_generic_rpc_handlers((registry,))
         self.registry_health = GrpcHealth(self._registry_server, (REGISTRY_SERVICE,))
         await self.registry_health.set_serving(False)
