@@ -106,6 +106,28 @@ if panels_available():
         xs = torch.randn(m, 96, generator=gen)
         torch.testing.assert_close(f32_panels_linear(xs, f32_pack(w), 64), xs @ w.T,
                                    atol=1e-4, rtol=1e-5)
+from pdserve.engine import gguf_blocks
+from pdserve.engine.cpu_kernels.library import load
+lib = load()
+assert lib.blocks_fast(0) == (os.environ["PDSERVE_KERNEL_MARCH"] == "x86-64-v3")  # float32
+for ggml_type in (gguf_blocks.Q4_1, gguf_blocks.Q8_0):  # the GEMV over blocks: its rows'
+    size, fmt = gguf_blocks.FORMATS[ggml_type]
+    blocks = torch.randint(0, 256, (37, 640 // 32, size), dtype=torch.uint8, generator=gen)
+    scales = 2 if ggml_type == gguf_blocks.Q4_1 else 1
+    dm = (torch.randn(37, 640 // 32, scales, generator=gen) * 0.05).to(torch.float16)
+    blocks[..., :2 * scales] = dm.view(torch.uint8).reshape(37, 640 // 32, 2 * scales)
+    blocks = blocks.reshape(37, -1)
+    w = gguf_blocks.dequantize(blocks, 640, ggml_type)
+    for m in range(1, 10):
+        xs = torch.randn(m, 640, generator=gen)
+        ours, rows = torch.empty(m, 37), torch.empty(m, 37)
+        lib.blocks_linear(xs.data_ptr(), blocks.data_ptr(), fmt, ours.data_ptr(), m, 37, 640,
+                          0, 2)
+        lib.gv_linear(xs.data_ptr(), 640, w.data_ptr(), None, rows.data_ptr(), 37, m, 37, 640,
+                      0, 2)
+        if m <= 4 and lib.blocks_fast(0):  # the vector form sums as the row GEMV does
+            assert torch.equal(ours, rows), (ggml_type, m)
+        torch.testing.assert_close(ours, rows, atol=1e-4, rtol=1e-5)
 print(library_path())
 """
 

@@ -16,8 +16,9 @@ rows of q and k for its RoPE layout; rows are matched wherever they moved). A pr
 with a row that matches nothing, a tensor of another GGUF type, or a K not a multiple of
 32, and the model gets no blocks at all: the decode stack then streams its rows as before.
 A head that does not match keeps its rows alone. Nor does a model get blocks from a build
-without their vector form for its dtype (`blocks_fast`: AVX-512 with VBMI, and AVX512-BF16
-for bfloat16), where streaming them would be slower than the rows.
+without their vector form for its dtype (`blocks_fast`: float32 on AVX-512 with VBMI or on
+AVX2 with FMA and F16C; bfloat16 on AVX512-BF16), where streaming them would be slower than
+the rows.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ BLOCK = 32  # weights per block
 # threads, blocks against panels: 5 rows 13.4-14.2 ms against 20.9-22.8, 6 rows 15.2-16.8
 # against 21.8-22.6, 8 rows 17.6-19.5 against 22.4-22.7, 10 rows (two passes) 28.9-30.2
 # against 21.9-23.1 (docs/benchmarks.md section 6, session 24). A bfloat16 model's panels
-# stream half the bytes and win from 5 rows (11.2-13.2 ms against 13.0-16.6).
+# stream half the bytes and win from 5 rows (11.2-13.2 ms against 13.0-16.6). On a Zen 3
+# (AVX2), blocks against rows (row GEMV to 4 rows, panels past): 1 row 10.5 ms against
+# 22.2-26.1, 4 rows 17.5-19.0 against 29.7-32.8, 8 rows 31.7-34.3 against 55.5-55.7, 10 rows
+# 57.1-66.7 against 63.1-67.4 (docs/benchmarks.md section 6, session 27).
 F32_GEMV_MAX_ROWS = 8
 # GGML type -> (bytes a block, the C kernels' format code: common.h's BLOCKS_*)
 Q4_1, Q8_0 = 3, 8

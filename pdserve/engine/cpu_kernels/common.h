@@ -126,6 +126,21 @@ static inline float hsum_vf8(vf8 v)
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
+/* A dot product's U accumulators added in order, acc[0] first, then hsum_vf8. Each partial
+ * sum passes an empty asm, which -ffast-math cannot re-associate across: left free, gcc
+ * added four accumulators as (a1 + a2 + a3) + a0 where a tail loop followed and as
+ * (a0 + a1) + (a2 + a3) where none did, so two dot products written apart (gemv.c's over
+ * rows, q4_blocks.c's over blocks) summed the same products differently. */
+static inline float fold_vf8(const vf8 *acc, int U)
+{
+    vf8 s = acc[0];
+    for (int u = 1; u < U; u++) {
+        s += acc[u];
+        __asm__("" : "+v"(s));
+    }
+    return hsum_vf8(s);
+}
+
 /* Element i of a float32 or bfloat16 row, as float32 (the scalar tails of the vector loops). */
 static inline float at_dt(const void *row, int64_t i, int dt)
 {

@@ -203,9 +203,7 @@ DEFINE_DOT_BF16(8, 1)
                 acc[b][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * K + k), acc[b][0]);   \
         }                                                                                     \
         for (int b = 0; b < NB; b++) {                                                        \
-            for (int u = 1; u < U; u++)                                                       \
-                acc[b][0] = _mm256_add_ps(acc[b][0], acc[b][u]);                              \
-            float s = hsum_vf8(acc[b][0]);                                                       \
+            float s = fold_vf8(acc[b], U);                                                    \
             for (int64_t j = k; j < K; j++)                                                   \
                 s += w[j] * x[b * K + j];                                                     \
             out[b] = s;                                                                       \
