@@ -227,7 +227,10 @@ class KVTransferService(kvtransfer_pb2_grpc.KVTransferServicer):
     async def _await_verdicts(self, transfer: _Transfer) -> None:
         """Waits for every write the sink has not finished, then `_check_verdicts`."""
         for _, verdict in transfer.pending:
-            await asyncio.wait([asyncio.wrap_future(verdict)])  # its outcome: below
+            done = asyncio.wrap_future(verdict)
+            await asyncio.wait([done])
+            if not done.cancelled():
+                done.exception()  # read here, judged below: an unread one the loop logs
         self._check_verdicts(transfer)
 
     def _payload(self, transfer: _Transfer, chunk: kvtransfer_pb2.KVChunk,

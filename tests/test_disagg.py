@@ -4,6 +4,7 @@ push -> decode, against the colocated engine; faults leave caches and accounting
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import pytest
@@ -143,8 +144,12 @@ def test_kv_cache_dtype_mismatch_refused_and_freed(tiny_model_dir):
 def test_corrupt_chunk_rejected_other_blocks_untouched(tiny_model_dir):
     """A corrupt chunk and then the stream's end: refused naming crc32c (the verdict of the
     engine thread's checked copy is awaited), the reservation gone, every block free, and
-    no block outside the reservation changed (its own may have taken the bad bytes)."""
+    no block outside the reservation changed (its own may have taken the bad bytes); the
+    failed write's outcome is read where it is awaited, not left for the loop to log."""
     async def main():
+        unread: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, ctx: unread.append(ctx["message"]))
         dec = await _start("decode", tiny_model_dir)
         try:
             before = dec.engine.kv_cache.data.clone()
@@ -183,6 +188,8 @@ def test_corrupt_chunk_rejected_other_blocks_untouched(tiny_model_dir):
             assert spec.num_blocks == (await _free_blocks(dec))[0]
             others = [b for b in range(spec.num_blocks) if b not in phys]
             assert torch.equal(dec.engine.kv_cache.data[:, :, others], before[:, :, others])
+            gc.collect()
+            assert unread == []
         finally:
             await dec.stop(0)
 
