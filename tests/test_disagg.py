@@ -198,7 +198,9 @@ def test_corrupt_chunk_rejected_other_blocks_untouched(tiny_model_dir):
 
 def test_reservation_expires_and_exhaustion(tiny_model_dir):
     async def main():
-        dec = await _start("decode", tiny_model_dir, num_kv_blocks=8, timeout=0.5)
+        # 1.5 s: the checks below must run before it ends, on a loaded machine too (0.5 s
+        # did not, once, beside a compiler)
+        dec = await _start("decode", tiny_model_dir, num_kv_blocks=8, timeout=1.5)
         try:
             async with grpc.aio.insecure_channel(dec.address) as ch:
                 d = decode_pb2_grpc.DecodeWorkerStub(ch)
@@ -212,7 +214,7 @@ def test_reservation_expires_and_exhaustion(tiny_model_dir):
                         request_id="b", prompt_token_ids=list(range(100)), sampling=sp),
                         timeout=5)
                 assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                await asyncio.sleep(1.6)
+                await asyncio.sleep(2.3)  # past the TTL and the sweep after it (TTL / 4)
                 assert (await _free_blocks(dec))[0] == 8
                 expired = dec.metrics.reservations_expired._value.get()
                 assert expired == 1
