@@ -21,6 +21,7 @@ UNAVAILABLE.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -151,7 +152,17 @@ class DecodeService(decode_pb2_grpc.DecodeWorkerServicer):
         timer = TokenTimer(self.metrics, time.monotonic())
         try:
             params = SamplingParams.from_proto(request.sampling)
-            await self.aengine.add_request(request_id, list(request.prompt_token_ids), params)
+            # the engine thread takes the request between steps: behind a long one (a big
+            # prefill chunk on a slow CPU) the stream keeps its keepalives going, or the
+            # gateway would take the wait for a stall and move the request
+            added = asyncio.ensure_future(self.aengine.add_request(
+                request_id, list(request.prompt_token_ids), params))
+            try:
+                while not (await asyncio.wait([added], timeout=self.keepalive_s))[0]:
+                    yield decode_pb2.TokenChunk()  # keepalive: no tokens, not finished
+            finally:
+                added.cancel()  # the stream left first: the request is taken back
+            added.result()
         except ValueError as e:
             self.metrics.error("INVALID_ARGUMENT")
             raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 
 import pytest
 from conftest import assert_pool_clean, tiny_engine
@@ -170,5 +171,47 @@ def test_tokens_per_s_counts_the_window_and_forgets_what_left_it(tiny_model_dir,
                 assert len([d async for d in aeng.generate(rid, PROMPT, GREEDY)]) == 12
                 await rate_becomes(aeng, 12 / window)
                 await rate_becomes(aeng, 0.0)
+
+    asyncio.run(main())
+
+
+def test_a_colocated_stream_keeps_alive_while_the_engine_is_mid_step(tiny_model_dir):
+    """The engine thread takes a new request between steps. Behind a long one (a big prefill
+    chunk on a slow CPU: bfloat16 without native support took >10 s a step) the stream still
+    sends its keepalives, and the gateway does not take the wait for a stall; a stream that
+    leaves during the wait takes its request back out of the engine."""
+    from pdserve.protos.pdserve.v1 import decode_pb2
+
+    async def main():
+        async with _running(tiny_model_dir) as aeng:
+            svc = DecodeService(aeng, ReservationTable(aeng, 30.0),
+                                TierMetrics("tiny", "decode", "d0"), stats=None,
+                                keepalive_s=0.1)
+
+            def busy() -> asyncio.Future:
+                # a command holds the engine thread 0.7 s, as a long step would
+                return asyncio.ensure_future(aeng._call(lambda: time.sleep(0.7)))
+
+            step = busy()
+            await asyncio.sleep(0.05)
+            req = decode_pb2.ColocatedGenerateRequest(request_id="g", prompt_token_ids=PROMPT,
+                                                      sampling=GREEDY.to_proto())
+            chunks = [c async for c in svc.generate_chunks(req)]
+            await step
+            first = next(i for i, c in enumerate(chunks) if c.token_ids)
+            assert first >= 4 and not any(c.token_ids or c.finish_reason
+                                          for c in chunks[:first])
+            assert sum(len(c.token_ids) for c in chunks) == 12 and chunks[-1].finish_reason
+
+            step = busy()
+            await asyncio.sleep(0.05)
+            gen = svc.generate_chunks(decode_pb2.ColocatedGenerateRequest(
+                request_id="left", prompt_token_ids=PROMPT, sampling=LONG.to_proto()))
+            assert not (await anext(gen)).token_ids  # a keepalive, while the add waits
+            await gen.aclose()
+            await step
+            await _until_finished(aeng)
+            assert "left" not in aeng.engine.seqs
+        assert_pool_clean(aeng.engine)
 
     asyncio.run(main())

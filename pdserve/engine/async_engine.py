@@ -133,8 +133,12 @@ class AsyncEngine:
         try:
             await self._call(lambda: self.engine.add_request(
                 request_id, prompt_token_ids, params, prefill_only, kv_saver) and None)
-        except BaseException:
+        except BaseException as e:
             self._streams.pop(request_id, None)
+            if not isinstance(e, Exception):
+                # cancelled: the engine thread may be adding it now, with nobody left to
+                # read it; an abort queued behind the add takes it out (a no-op otherwise)
+                self.abort(request_id)
             raise
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
