@@ -113,6 +113,20 @@ int64_t blocks_row_bytes(int64_t K, int fmt)
     return K / BLOCK_WEIGHTS * (fmt == BLOCKS_Q8_0 ? Q80_BYTES : Q41_BYTES);
 }
 
+/* The vector forms' functions for 1-8 rows of x, U accumulators a row as the row GEMV has
+ * them (gemv.c): 4 at one row, 2 at two, 1 from three on. 5-8 rows (past the row GEMV's,
+ * where a model without blocks runs its packed panels) keep one a row, so that a pass of up
+ * to 8 rows de-quantizes each block once. */
+#define FOR_ROW_COUNTS(DEFINE, NAME, WEIGHTS, BYTES)                                          \
+    DEFINE(NAME, WEIGHTS, BYTES, 1, 4)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 2, 2)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 3, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 4, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 5, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 6, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 7, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 8, 1)
+
 #ifdef BLOCKS_AVX512
 /* The vector forms sum in the row GEMV's order (gemv.c's dot_row for nb rows of x): U
  * accumulators per row of x (4 at one row, 2 at two, else 1), step s of the row (16
@@ -211,19 +225,6 @@ static inline void q80_weights(const uint8_t *p, __m512 *w0, __m512 *w1)
         for (int r = 0; r < NB; r++)                                                          \
             out[r] = acc_sum_##U(acc[r]);                                                     \
     }
-/* Each form for 1-4 rows of x with gemv.c's accumulators per row count; 5-8 rows (past the
- * row GEMV's, where a model without blocks runs its packed panels) with one accumulator a
- * row, as at 3 and 4, so that a pass of up to 8 rows de-quantizes each block once (the
- * last block row of an odd count; the others go in pairs, below). */
-#define FOR_ROW_COUNTS(DEFINE, NAME, WEIGHTS, BYTES)                                          \
-    DEFINE(NAME, WEIGHTS, BYTES, 1, 4)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 2, 2)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 3, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 4, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 5, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 6, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 7, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 8, 1)
 FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT, q41_dot, q41_weights, Q41_BYTES)
 FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT, q80_dot, q80_weights, Q80_BYTES)
 
@@ -360,17 +361,8 @@ static inline void q80_weights8(const uint8_t *p, __m256 *w)
         for (int r = 0; r < NB; r++)                                                          \
             out[r] = fold_vf8(acc[r], U);                                                     \
     }
-#define FOR_ROW_COUNTS8(DEFINE, NAME, WEIGHTS, BYTES)                                         \
-    DEFINE(NAME, WEIGHTS, BYTES, 1, 4)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 2, 2)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 3, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 4, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 5, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 6, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 7, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 8, 1)
-FOR_ROW_COUNTS8(DEFINE_BLOCKS_DOT8, q41_dot8, q41_weights8, Q41_BYTES)
-FOR_ROW_COUNTS8(DEFINE_BLOCKS_DOT8, q80_dot8, q80_weights8, Q80_BYTES)
+FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT8, q41_dot8, q41_weights8, Q41_BYTES)
+FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT8, q80_dot8, q80_weights8, Q80_BYTES)
 
 static void row_dot8(const uint8_t *row, int fmt, const float *x, int64_t K, int nb,
                      float *out)
