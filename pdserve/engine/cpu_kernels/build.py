@@ -22,6 +22,7 @@ scores are a finite NEG_BIG (paged_prefill.c), and the tests hold them to the re
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import pathlib
@@ -104,15 +105,8 @@ def build() -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(prefix=out.stem + ".", suffix=".tmp.so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *cflags(), *map(str, SOURCES), "-o", tmp, *LIBS],
-                           capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            lines = r.stderr.strip().splitlines()
-            # the first line says what went wrong (the one-line summaries print only it)
-            first = next((ln for ln in lines if "error" in ln), lines[-1] if lines else
-                         f"exit code {r.returncode}")
-            raise KernelBuildError(f"{cc} failed to build the CPU kernels: {first.strip()}\n"
-                                   + "\n".join(lines))
+        with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as objs:
+            _compile_and_link(cc, pathlib.Path(objs), tmp)
         os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache must be loadable
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
@@ -121,6 +115,30 @@ def build() -> pathlib.Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _compile_and_link(cc: str, objs: pathlib.Path, out: str) -> None:
+    """Each source to an object, as many at once as this process has cores, then one link:
+    one gcc over every source took 10.6 s on two Zen 3 cores, its largest file 2.5 s."""
+    def run(args: list[str]) -> None:
+        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            lines = r.stderr.strip().splitlines()
+            # the first line says what went wrong (the one-line summaries print only it)
+            first = next((ln for ln in lines if "error" in ln), lines[-1] if lines else
+                         f"exit code {r.returncode}")
+            raise KernelBuildError(f"{cc} failed to build the CPU kernels: {first.strip()}\n"
+                                   + "\n".join(lines))
+
+    targets = [objs / f"{src.stem}.o" for src in SOURCES]
+    workers = min(len(SOURCES), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                  else os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        done = [pool.submit(run, [cc, *cflags(), "-c", str(src), "-o", str(obj)])
+                for src, obj in zip(SOURCES, targets)]
+        for f in done:  # in source order: the first failing file's error is the one raised
+            f.result()
+    run([cc, *cflags(), *map(str, targets), "-o", out, *LIBS])
 
 
 if __name__ == "__main__":
