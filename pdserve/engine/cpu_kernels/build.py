@@ -131,9 +131,9 @@ def _compile_and_link(cc: str, objs: pathlib.Path, out: str) -> None:
                                    + "\n".join(lines))
 
     targets = [objs / f"{src.stem}.o" for src in SOURCES]
-    workers = min(len(SOURCES), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                  else os.cpu_count() or 1)
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(min(len(SOURCES), cores)) as pool:
         done = [pool.submit(run, [cc, *cflags(), "-c", str(src), "-o", str(obj)])
                 for src, obj in zip(SOURCES, targets)]
         for f in done:  # in source order: the first failing file's error is the one raised

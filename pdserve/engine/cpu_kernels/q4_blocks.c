@@ -483,8 +483,8 @@ static void scalar_dot(const uint8_t *row, int fmt, const void *x, int dt, int64
 }
 
 /* Whether this build streams blocks for a model of dtype dt faster than its rows: a vector
- * form (AVX-512 with VBMI, or float32 on AVX2 with FMA and F16C; for bfloat16 AVX512-BF16). Elsewhere the scalar form is
- * slower than the rows, and the engine keeps the rows. */
+ * form (AVX-512 with VBMI, or float32 on AVX2 with FMA and F16C; for bfloat16 AVX512-BF16).
+ * Elsewhere the scalar form is slower than the rows, and the engine keeps the rows. */
 int blocks_fast(int dt)
 {
 #ifdef BLOCKS_BF16_AVX512
