@@ -32,7 +32,7 @@ def close(got, want, dtype=torch.float32):
 
 gen = torch.Generator().manual_seed(0)
 bs, hq, hkv = 16, 6, 2
-for d in (64, 48):
+for d in (64, 128, 48):  # the vector steps' two head dims, and the loops'
     k = torch.randn(40, bs, hkv, d, generator=gen)
     v = torch.randn(40, bs, hkv, d, generator=gen)
     tables = torch.randperm(40, generator=gen).int().view(4, 10)
