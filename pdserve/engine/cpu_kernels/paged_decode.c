@@ -425,19 +425,19 @@ INLINE __m256 reduce8(const __m256 *p)
 
 /* Eight keys at a time, one accumulator each, q's vector loaded once for the eight (q does
  * not fit the 16 registers beside them at D = 128). A short last group repeats its first
- * row, and the repeats' scores are never read. */
+ * row, and the repeats' scores are never read. The next block's lines are asked for one at
+ * a time between the loads that use this block's (here and in accum_heads_avx2): asked for
+ * a row at a time, as the AVX-512 steps do, the K/V reads overlapped the arithmetic less,
+ * and one sequence of 3,000 tokens took 0.48 ms a layer on a Zen 3 against 0.38. */
 INLINE void score_tile_avx2(const float *qf, const void *const *krows, int nt, int G,
                             const int NV, const int dt, float *s, ptrdiff_t pf)
 {
-    const int bytes = NV * 8 * (dt == DT_F32 ? 4 : 2);
+    const int vbytes = dt == DT_F32 ? 32 : 16; /* one vector's share of a row */
     for (int c = 0; c < nt; c += 8) {
         const int n = nt - c < 8 ? nt - c : 8;
         const void *kr[8];
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < 8; j++)
             kr[j] = krows[c + (j < n ? j : 0)];
-            if (j < n)
-                prefetch_row(kr[j], pf, bytes);
-        }
         for (int g = 0; g < G; g++) {
             const float *qg = qf + g * NV * 8;
             __m256 p[8];
@@ -446,8 +446,11 @@ INLINE void score_tile_avx2(const float *qf, const void *const *krows, int nt, i
             for (int v = 0; v < NV; v++) {
                 const __m256 qv = _mm256_loadu_ps(qg + v * 8);
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++)
+                for (int j = 0; j < 8; j++) {
+                    if (g == 0 && pf && (v * vbytes) % 64 == 0)
+                        __builtin_prefetch((const char *)kr[j] + pf + v * vbytes, 0, 2);
                     p[j] = _mm256_fmadd_ps(qv, load8v(kr[j], v * 8, dt), p[j]);
+                }
             }
             _mm256_storeu_ps(s + g * TILE + c, reduce8(p)); /* c + 8 <= TILE */
         }
@@ -460,7 +463,7 @@ INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *v
                              const int NH, const int NV, const int DC, const int dt,
                              const float *s, ptrdiff_t pf)
 {
-    const int D = 8 * NV;
+    const int D = 8 * NV, vbytes = dt == DT_F32 ? 32 : 16;
     for (int v0 = 0; v0 < NV; v0 += DC) {
         __m256 a[12];
         for (int h = 0; h < NH; h++) {
@@ -469,12 +472,12 @@ INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *v
                 a[h * DC + i] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + (v0 + i) * 8), cv);
         }
         for (int t = 0; t < nt; t++) {
-            if (v0 == 0)
-                prefetch_row(vrows[t], pf, D * (dt == DT_F32 ? 4 : 2));
             __m256 p[3];
             for (int h = 0; h < NH; h++)
                 p[h] = _mm256_broadcast_ss(s + h * TILE + t);
             for (int i = 0; i < DC; i++) {
+                if (pf && ((v0 + i) * vbytes) % 64 == 0)
+                    __builtin_prefetch((const char *)vrows[t] + pf + (v0 + i) * vbytes, 0, 2);
                 const __m256 x = load8v(vrows[t], (v0 + i) * 8, dt);
                 for (int h = 0; h < NH; h++)
                     a[h * DC + i] = _mm256_fmadd_ps(p[h], x, a[h * DC + i]);
