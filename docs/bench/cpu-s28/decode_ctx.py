@@ -1,6 +1,6 @@
 """Pure decode steps in process at a given context: B rows whose prompts are P tokens, the
 median forward of N steps once the batch is all decodes, two threads, float32 (DTYPE to
-change it). Run once per build being compared, alternated (PYTHONPATH=<worktree> for an
+change it; KV_DTYPE for the cache's, the model's by default). Run once per build being compared, alternated (PYTHONPATH=<worktree> for an
 older commit):
 
     OMP_WAIT_POLICY=PASSIVE python docs/bench/cpu-s28/decode_ctx.py 1:16,1:1000,64:256 12
@@ -18,7 +18,8 @@ from pdserve.protocol import SamplingParams
 CASES = [tuple(int(x) for x in c.split(":")) for c in sys.argv[1].split(",")]
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 10
 eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype=os.environ.get("DTYPE", "float32"),
-                             num_threads=2, show_progress=False, max_model_len=4096))
+                             num_threads=2, show_progress=False, max_model_len=4096,
+                             kv_cache_dtype=os.environ.get("KV_DTYPE")))
 
 
 def median_forward_ms(b: int, p: int) -> float:
