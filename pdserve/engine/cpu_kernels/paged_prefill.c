@@ -17,11 +17,11 @@
  * a tile of BK at a time, widened to float32, with a float32 online softmax in base 2.
  * Only the tiles that reach past a row's own position are masked.
  *
- * With AVX-512 (item_t) Q and the output accumulator are held transposed, [D][rows], so
- * every vector spans 16 query rows: scores are K elements broadcast against Q columns, the
- * softmax's max / sum / rescale are plain vector ops across rows, and p.V is V elements
- * broadcast against P columns. Without it (pf_item, also for G > ROWS) rows go one at a
- * time against a transposed K tile. The launcher (paged_prefill.py) validates tables and
+ * With AVX-512 or AVX2 (item_t) Q and the output accumulator are held transposed,
+ * [D][rows], so every vector spans 16 (AVX2: 8) query rows: scores are K elements
+ * broadcast against Q columns, the softmax's max / sum / rescale are plain vector ops
+ * across rows, and p.V is V elements broadcast against P columns. Without either (pf_item,
+ * also for G > ROWS) rows go one at a time against a transposed K tile. The launcher (paged_prefill.py) validates tables and
  * lengths with pd_validate first, so this trusts its arguments. Requires D % 16 == 0.
  */
 #include <math.h>
@@ -29,7 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define VECTOR_ROWS 1
 #include <immintrin.h>
 #endif
 
@@ -70,22 +71,98 @@ static inline void widen_row(float *dst, const void *src, int D, int dt, float m
     }
 }
 
-#ifdef __AVX512F__
+#ifdef VECTOR_ROWS
 
-/* 2^x for x <= 128: 2^round(x) (vscalefps) times a degree-6 polynomial for 2^f, f in
- * [-0.5, 0.5] (Taylor; relative error ~1e-7). NEG_BIG gives 0. */
-INLINE __m512 exp2_ps(__m512 x)
+/* The vector steps' ops, VW float32 lanes each: AVX-512's 16 or AVX2's 8. RGMAX: the row
+ * vectors a scores / accumulate pass holds (AVX2's 16 registers take four keys or four
+ * elements of D against two; AVX-512's 32 take them against four). */
+#ifdef __AVX512F__
+#define VW 16
+#define RGMAX 4
+typedef __m512 vfw;
+typedef __m512i viw;
+INLINE vfw vw_load(const float *p) { return _mm512_load_ps(p); }
+INLINE void vw_store(float *p, vfw x) { _mm512_store_ps(p, x); }
+INLINE vfw vw_set1(float x) { return _mm512_set1_ps(x); }
+INLINE vfw vw_add(vfw a, vfw b) { return _mm512_add_ps(a, b); }
+INLINE vfw vw_sub(vfw a, vfw b) { return _mm512_sub_ps(a, b); }
+INLINE vfw vw_mul(vfw a, vfw b) { return _mm512_mul_ps(a, b); }
+INLINE vfw vw_div(vfw a, vfw b) { return _mm512_div_ps(a, b); }
+INLINE vfw vw_max(vfw a, vfw b) { return _mm512_max_ps(a, b); }
+INLINE vfw vw_fmadd(vfw a, vfw b, vfw c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE viw vw_loadi(const int32_t *p) { return _mm512_loadu_si512(p); }
+INLINE void vw_storeu(float *p, vfw x) { _mm512_storeu_ps(p, x); }
+/* s where key k is visible to the lane's row (k <= last), NEG_BIG where it is not */
+INLINE vfw vw_hide_after(vfw s, viw last, int k)
 {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+    const __mmask16 hide = _mm512_cmplt_epi32_mask(last, _mm512_set1_epi32(k));
+    return _mm512_mask_mov_ps(s, hide, _mm512_set1_ps(NEG_BIG));
+}
+INLINE int vw_any_not_one(vfw x) { return _mm512_cmpneq_ps_mask(x, _mm512_set1_ps(1.f)) != 0; }
+/* 2^round(x), exactly (vscalefps: 0 far below the float range) */
+INLINE vfw vw_round(vfw x)
+{
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+INLINE vfw vw_scale(vfw p, vfw n) { return _mm512_scalef_ps(p, n); }
+INLINE vfw vw_exp2_domain(vfw x) { return x; }
+#else
+#define VW 8
+#define RGMAX 2
+typedef __m256 vfw;
+typedef __m256i viw;
+INLINE vfw vw_load(const float *p) { return _mm256_load_ps(p); }
+INLINE void vw_store(float *p, vfw x) { _mm256_store_ps(p, x); }
+INLINE vfw vw_set1(float x) { return _mm256_set1_ps(x); }
+INLINE vfw vw_add(vfw a, vfw b) { return _mm256_add_ps(a, b); }
+INLINE vfw vw_sub(vfw a, vfw b) { return _mm256_sub_ps(a, b); }
+INLINE vfw vw_mul(vfw a, vfw b) { return _mm256_mul_ps(a, b); }
+INLINE vfw vw_div(vfw a, vfw b) { return _mm256_div_ps(a, b); }
+INLINE vfw vw_max(vfw a, vfw b) { return _mm256_max_ps(a, b); }
+INLINE vfw vw_fmadd(vfw a, vfw b, vfw c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE viw vw_loadi(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE void vw_storeu(float *p, vfw x) { _mm256_storeu_ps(p, x); }
+INLINE vfw vw_hide_after(vfw s, viw last, int k)
+{
+    const __m256i hide = _mm256_cmpgt_epi32(_mm256_set1_epi32(k), last);
+    return _mm256_blendv_ps(s, _mm256_set1_ps(NEG_BIG), _mm256_castsi256_ps(hide));
+}
+INLINE int vw_any_not_one(vfw x)
+{
+    return _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_set1_ps(1.f), _CMP_NEQ_UQ)) != 0;
+}
+INLINE vfw vw_round(vfw x)
+{
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+/* p * 2^n for n in [-127, 127], n built in the exponent field, where 2^-127 is 0 */
+INLINE vfw vw_scale(vfw p, vfw n)
+{
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+/* x at or above -127, so vw_scale's n is (2^x below it is 0 to float precision) */
+INLINE vfw vw_exp2_domain(vfw x) { return _mm256_max_ps(x, _mm256_set1_ps(-127.f)); }
+#endif
+#define MAX_RV (ROWS / VW)
+
+/* 2^x for x <= 0 (a softmax weight, the running max subtracted): 2^round(x) times a
+ * degree-6 polynomial for 2^f, f in [-0.5, 0.5] (Taylor; relative error ~1e-7). NEG_BIG
+ * gives 0. */
+INLINE vfw vw_exp2(vfw x)
+{
+    x = vw_exp2_domain(x);
+    const vfw n = vw_round(x);
+    const vfw f = vw_sub(x, n);
+    vfw p = vw_set1(1.5403530393381606e-4f);
+    p = vw_fmadd(p, f, vw_set1(1.3333558146428443e-3f));
+    p = vw_fmadd(p, f, vw_set1(9.618129107628477e-3f));
+    p = vw_fmadd(p, f, vw_set1(5.550410866482158e-2f));
+    p = vw_fmadd(p, f, vw_set1(0.2402265069591007f));
+    p = vw_fmadd(p, f, vw_set1(0.6931471805599453f));
+    p = vw_fmadd(p, f, vw_set1(1.f));
+    return vw_scale(p, n);
 }
 
 /* A vector loaded once into a register for the several FMAs that use it. Left to itself,
@@ -93,77 +170,99 @@ INLINE __m512 exp2_ps(__m512 x)
  * accumulate_t alike); the empty asm makes the loaded value opaque, so it cannot. One
  * 512-token prompt of SmolLM2's heads, float32, two threads on a Zen 4: 2.38-2.42 ->
  * 2.09-2.41 ms a layer (bfloat16 2.67 -> 2.33). */
-INLINE __m512 load_once(const float *p)
+INLINE vfw load_once(const float *p)
 {
-    __m512 x = _mm512_load_ps(p);
+    vfw x = vw_load(p);
     __asm__("" : "+v"(x));
     return x;
 }
 
-/* St[j][r] = Q[r] . K[j] for keys j < BK, row vectors v < RV (16 rows each): Qt is Q
- * transposed [D][RV*16], K rows [BK][D] float32. Four keys x RV vectors per pass. */
-INLINE void scores_t(const float *restrict Qt, const float *restrict K, float *restrict St,
-                     int D, int RV)
+/* St[j][r] = Q[r] . K[j] for keys j < BK, row vectors v0..v0+RG-1 of W = RV * VW rows: Qt
+ * is Q transposed [D][W], K rows [BK][D] float32. Four keys x RG vectors per pass. */
+INLINE void scores_rg(const float *restrict Qt, const float *restrict K, float *restrict St,
+                      int D, int W, int v0, const int RG)
 {
-    const int W = RV * 16;
     for (int j = 0; j < BK; j += 4) {
-        __m512 a[4][4];
+        vfw a[4][RGMAX];
         for (int jj = 0; jj < 4; jj++)
-            for (int v = 0; v < RV; v++)
-                a[jj][v] = _mm512_setzero_ps();
+            for (int v = 0; v < RG; v++)
+                a[jj][v] = vw_set1(0.f);
         const float *k0 = K + (j + 0) * D, *k1 = K + (j + 1) * D, *k2 = K + (j + 2) * D,
                     *k3 = K + (j + 3) * D;
         for (int d = 0; d < D; d++) {
-            const __m512 b0 = _mm512_set1_ps(k0[d]), b1 = _mm512_set1_ps(k1[d]),
-                         b2 = _mm512_set1_ps(k2[d]), b3 = _mm512_set1_ps(k3[d]);
-            for (int v = 0; v < RV; v++) {
-                const __m512 q = load_once(Qt + d * W + 16 * v);
-                a[0][v] = _mm512_fmadd_ps(b0, q, a[0][v]);
-                a[1][v] = _mm512_fmadd_ps(b1, q, a[1][v]);
-                a[2][v] = _mm512_fmadd_ps(b2, q, a[2][v]);
-                a[3][v] = _mm512_fmadd_ps(b3, q, a[3][v]);
+            const vfw b0 = vw_set1(k0[d]), b1 = vw_set1(k1[d]), b2 = vw_set1(k2[d]),
+                      b3 = vw_set1(k3[d]);
+            for (int v = 0; v < RG; v++) {
+                const vfw q = load_once(Qt + d * W + VW * (v0 + v));
+                a[0][v] = vw_fmadd(b0, q, a[0][v]);
+                a[1][v] = vw_fmadd(b1, q, a[1][v]);
+                a[2][v] = vw_fmadd(b2, q, a[2][v]);
+                a[3][v] = vw_fmadd(b3, q, a[3][v]);
             }
         }
         for (int jj = 0; jj < 4; jj++)
-            for (int v = 0; v < RV; v++)
-                _mm512_store_ps(St + (j + jj) * W + 16 * v, a[jj][v]);
+            for (int v = 0; v < RG; v++)
+                vw_store(St + (j + jj) * W + VW * (v0 + v), a[jj][v]);
     }
 }
 
-/* Ot[d][r] += sum_j P[j][r] * V[j][d]: four dims x RV vectors per pass. */
-INLINE void accumulate_t(const float *restrict P, const float *restrict V, float *restrict Ot,
-                         int D, int RV)
+/* Ot[d][r] += sum_j P[j][r] * V[j][d]: four dims x RG vectors per pass. */
+INLINE void accumulate_rg(const float *restrict P, const float *restrict V,
+                          float *restrict Ot, int D, int W, int v0, const int RG)
 {
-    const int W = RV * 16;
     for (int d = 0; d < D; d += 4) {
-        __m512 a[4][4];
+        vfw a[4][RGMAX];
         for (int dd = 0; dd < 4; dd++)
-            for (int v = 0; v < RV; v++)
-                a[dd][v] = _mm512_load_ps(Ot + (d + dd) * W + 16 * v);
+            for (int v = 0; v < RG; v++)
+                a[dd][v] = vw_load(Ot + (d + dd) * W + VW * (v0 + v));
         for (int j = 0; j < BK; j++) {
             const float *vr = V + j * D + d;
-            const __m512 b0 = _mm512_set1_ps(vr[0]), b1 = _mm512_set1_ps(vr[1]),
-                         b2 = _mm512_set1_ps(vr[2]), b3 = _mm512_set1_ps(vr[3]);
-            for (int v = 0; v < RV; v++) {
-                const __m512 pv = load_once(P + j * W + 16 * v);
-                a[0][v] = _mm512_fmadd_ps(b0, pv, a[0][v]);
-                a[1][v] = _mm512_fmadd_ps(b1, pv, a[1][v]);
-                a[2][v] = _mm512_fmadd_ps(b2, pv, a[2][v]);
-                a[3][v] = _mm512_fmadd_ps(b3, pv, a[3][v]);
+            const vfw b0 = vw_set1(vr[0]), b1 = vw_set1(vr[1]), b2 = vw_set1(vr[2]),
+                      b3 = vw_set1(vr[3]);
+            for (int v = 0; v < RG; v++) {
+                const vfw pv = load_once(P + j * W + VW * (v0 + v));
+                a[0][v] = vw_fmadd(b0, pv, a[0][v]);
+                a[1][v] = vw_fmadd(b1, pv, a[1][v]);
+                a[2][v] = vw_fmadd(b2, pv, a[2][v]);
+                a[3][v] = vw_fmadd(b3, pv, a[3][v]);
             }
         }
         for (int dd = 0; dd < 4; dd++)
-            for (int v = 0; v < RV; v++)
-                _mm512_store_ps(Ot + (d + dd) * W + 16 * v, a[dd][v]);
+            for (int v = 0; v < RG; v++)
+                vw_store(Ot + (d + dd) * W + VW * (v0 + v), a[dd][v]);
     }
 }
 
-/* One work item with every vector running over query rows (RV vectors of 16): Q and O are
+/* The RV row vectors RGMAX at a time (the last group smaller when RGMAX does not divide RV),
+ * each group size a compile-time constant. */
+INLINE void scores_t(const float *restrict Qt, const float *restrict K, float *restrict St,
+                     int D, const int RV)
+{
+    for (int v0 = 0; v0 < RV; v0 += RGMAX) {
+        if (RV - v0 >= RGMAX)
+            scores_rg(Qt, K, St, D, RV * VW, v0, RGMAX);
+        else
+            scores_rg(Qt, K, St, D, RV * VW, v0, RV % RGMAX);
+    }
+}
+
+INLINE void accumulate_t(const float *restrict P, const float *restrict V, float *restrict Ot,
+                         int D, const int RV)
+{
+    for (int v0 = 0; v0 < RV; v0 += RGMAX) {
+        if (RV - v0 >= RGMAX)
+            accumulate_rg(P, V, Ot, D, RV * VW, v0, RGMAX);
+        else
+            accumulate_rg(P, V, Ot, D, RV * VW, v0, RV % RGMAX);
+    }
+}
+
+/* One work item with every vector running over query rows (RV vectors of VW): Q and O are
  * kept transposed, so K and V rows are used as they are (broadcast per element), and the
  * softmax's max, sum and rescale are plain vector ops across rows. */
 INLINE void item_t(const struct pf_args *a, int p, int h, int tile, float *scr, const int RV)
 {
-    const int G = a->G, D = a->D, bs = a->bs, W = RV * 16;
+    const int G = a->G, D = a->D, bs = a->bs, W = RV * VW;
     const int qs = a->qstart[p], qlen = a->qstart[p + 1] - qs, prefix = a->lens[p] - qlen;
     const int i0 = tile * a->BQ, i1 = i0 + a->BQ < qlen ? i0 + a->BQ : qlen;
     const int R = (i1 - i0) * G;
@@ -186,15 +285,15 @@ INLINE void item_t(const struct pf_args *a, int p, int h, int tile, float *scr, 
         }
     }
     memset(Ot, 0, (size_t)D * W * sizeof(float));
-    __m512 m[4], l[4];
-    __m512i last[4]; /* each row's last visible key; padding rows: key 0 */
-    int32_t lastv[64];
+    vfw m[MAX_RV], l[MAX_RV];
+    viw last[MAX_RV]; /* each row's last visible key; padding rows: key 0 */
+    int32_t lastv[ROWS];
     for (int r = 0; r < W; r++)
         lastv[r] = r < R ? prefix + i0 + r / G : 0;
     for (int v = 0; v < RV; v++) {
-        m[v] = _mm512_set1_ps(NEG_BIG);
-        l[v] = _mm512_setzero_ps();
-        last[v] = _mm512_loadu_si512(lastv + 16 * v);
+        m[v] = vw_set1(NEG_BIG);
+        l[v] = vw_set1(0.f);
+        last[v] = vw_loadi(lastv + VW * v);
     }
     const int kend = prefix + i1, kshared = prefix + i0 + 1;
     for (int k0 = 0; k0 < kend; k0 += BK) {
@@ -212,36 +311,33 @@ INLINE void item_t(const struct pf_args *a, int p, int h, int tile, float *scr, 
         scores_t(Qt, K, St, D, RV);
         const int masked = k0 + BK > kshared;
         for (int v = 0; v < RV; v++) {
-            __m512 mt = m[v];
+            vfw mt = m[v];
             for (int j = 0; j < BK; j++) {
-                __m512 s = _mm512_load_ps(St + j * W + 16 * v);
+                vfw s = vw_load(St + j * W + VW * v);
                 if (masked) {
-                    const __mmask16 hide = _mm512_cmplt_epi32_mask(last[v],
-                                                                   _mm512_set1_epi32(k0 + j));
-                    s = _mm512_mask_mov_ps(s, hide, _mm512_set1_ps(NEG_BIG));
-                    _mm512_store_ps(St + j * W + 16 * v, s);
+                    s = vw_hide_after(s, last[v], k0 + j);
+                    vw_store(St + j * W + VW * v, s);
                 }
-                mt = _mm512_max_ps(mt, s);
+                mt = vw_max(mt, s);
             }
-            __m512 sum = _mm512_setzero_ps();
+            vfw sum = vw_set1(0.f);
             for (int j = 0; j < BK; j++) {
-                const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_load_ps(St + j * W + 16 * v), mt));
-                _mm512_store_ps(St + j * W + 16 * v, e);
-                sum = _mm512_add_ps(sum, e);
+                const vfw e = vw_exp2(vw_sub(vw_load(St + j * W + VW * v), mt));
+                vw_store(St + j * W + VW * v, e);
+                sum = vw_add(sum, e);
             }
-            const __m512 corr = exp2_ps(_mm512_sub_ps(m[v], mt));
-            l[v] = _mm512_fmadd_ps(l[v], corr, sum);
+            const vfw corr = vw_exp2(vw_sub(m[v], mt));
+            l[v] = vw_fmadd(l[v], corr, sum);
             m[v] = mt;
-            if (_mm512_cmpneq_ps_mask(corr, _mm512_set1_ps(1.f)))
+            if (vw_any_not_one(corr))
                 for (int d = 0; d < D; d++)
-                    _mm512_store_ps(Ot + d * W + 16 * v,
-                                    _mm512_mul_ps(_mm512_load_ps(Ot + d * W + 16 * v), corr));
+                    vw_store(Ot + d * W + VW * v, vw_mul(vw_load(Ot + d * W + VW * v), corr));
         }
         accumulate_t(St, V, Ot, D, RV);
     }
-    float inv[64];
+    float inv[ROWS];
     for (int v = 0; v < RV; v++)
-        _mm512_storeu_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.f), l[v]));
+        vw_storeu(inv + VW * v, vw_div(vw_set1(1.f), l[v]));
     for (int r = 0; r < R; r++) {
         const int64_t tok = qs + i0 + r / G, head = (int64_t)h * G + r % G;
         const int64_t base = (tok * a->Hq + head) * D;
@@ -256,7 +352,7 @@ INLINE void item_t(const struct pf_args *a, int p, int h, int tile, float *scr, 
         }
     }
 }
-#endif
+#endif /* VECTOR_ROWS */
 
 static size_t scratch_floats(const struct pf_args *a)
 {
@@ -264,7 +360,7 @@ static size_t scratch_floats(const struct pf_args *a)
     return 2 * R * D + R * BK + 2 * D * BK + 2 * R;
 }
 
-/* The portable path (no AVX-512): a few rows at a time against a transposed K tile.
+/* The portable path (no AVX-512 or AVX2): a few rows at a time against a transposed K tile.
  * Eight-float vectors (common.h's vf8) hold the accumulators. Written as arrays indexed
  * in the inner loop, gcc kept them on the stack and every FMA went through a store and a
  * load: the AVX2 build on one thread, 512 tokens of SmolLM2's heads, took 18.8 ms a layer
@@ -419,15 +515,21 @@ static void pf_item(const struct pf_args *a, int p, int h, int tile, float *scr)
 
 static void run_item(const struct pf_args *a, int p, int h, int tile, float *scr)
 {
-#ifdef __AVX512F__
+#ifdef VECTOR_ROWS
     const int qlen = a->qstart[p + 1] - a->qstart[p], i0 = tile * a->BQ;
     const int R = (i0 + a->BQ < qlen ? a->BQ : qlen - i0) * a->G;
-    switch ((R + 15) / 16) {
+    switch ((R + VW - 1) / VW) {
     case 1: item_t(a, p, h, tile, scr, 1); return;
     case 2: item_t(a, p, h, tile, scr, 2); return;
     case 3: item_t(a, p, h, tile, scr, 3); return;
     case 4: item_t(a, p, h, tile, scr, 4); return;
-    default: break; /* more than 64 rows (G > 64): the portable path */
+#if VW == 8
+    case 5: item_t(a, p, h, tile, scr, 5); return;
+    case 6: item_t(a, p, h, tile, scr, 6); return;
+    case 7: item_t(a, p, h, tile, scr, 7); return;
+    case 8: item_t(a, p, h, tile, scr, 8); return;
+#endif
+    default: break; /* more than ROWS rows (G > ROWS): the portable path */
     }
 #endif
     pf_item(a, p, h, tile, scr);
