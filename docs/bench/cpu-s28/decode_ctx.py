@@ -1,7 +1,7 @@
 """Pure decode steps in process at a given context: B rows whose prompts are P tokens, the
 median forward of N steps once the batch is all decodes, two threads, float32 (DTYPE to
-change it; KV_DTYPE for the cache's, the model's by default). Run once per build being compared, alternated (PYTHONPATH=<worktree> for an
-older commit):
+change it; KV_DTYPE for the cache's, the model's by default). Run once per build being
+compared, alternated (PYTHONPATH=<worktree> for an older commit):
 
     OMP_WAIT_POLICY=PASSIVE python docs/bench/cpu-s28/decode_ctx.py 1:16,1:1000,64:256 12
 """
