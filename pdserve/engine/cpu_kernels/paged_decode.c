@@ -668,21 +668,20 @@ typedef void (*item_fn)(const struct args *, int, int, float *);
     {                                                                                       \
         decode_item(a, b, h0, s, D, NV, DT, QDP);                                           \
     }
+#if defined(__AVX512F__) || defined(AVX2_STEPS)
 #ifdef __AVX512F__
-ITEM(item_d64_f32, 64, 4, DT_F32, 0)
-ITEM(item_d64_bf16, 64, 4, DT_BF16, 0)
-ITEM(item_d128_f32, 128, 8, DT_F32, 0)
-ITEM(item_d128_bf16, 128, 8, DT_BF16, 0)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+ITEM(item_d64_f32, 64, 64 / LANES, DT_F32, 0)
+ITEM(item_d64_bf16, 64, 64 / LANES, DT_BF16, 0)
+ITEM(item_d128_f32, 128, 128 / LANES, DT_F32, 0)
+ITEM(item_d128_bf16, 128, 128 / LANES, DT_BF16, 0)
 #endif
 #ifdef __AVX512BF16__
 ITEM(item_d64_bf16_dp, 64, 4, DT_BF16, 1)
 ITEM(item_d128_bf16_dp, 128, 8, DT_BF16, 1)
-#endif
-#ifdef AVX2_STEPS
-ITEM(item_d64_f32, 64, 8, DT_F32, 0)
-ITEM(item_d64_bf16, 64, 8, DT_BF16, 0)
-ITEM(item_d128_f32, 128, 16, DT_F32, 0)
-ITEM(item_d128_bf16, 128, 16, DT_BF16, 0)
 #endif
 ITEM(item_any_f32, a->D, 0, DT_F32, 0)
 ITEM(item_any_bf16, a->D, 0, DT_BF16, 0)
