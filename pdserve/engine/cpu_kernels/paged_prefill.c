@@ -21,8 +21,9 @@
  * [D][rows], so every vector spans 16 (AVX2: 8) query rows: scores are K elements
  * broadcast against Q columns, the softmax's max / sum / rescale are plain vector ops
  * across rows, and p.V is V elements broadcast against P columns. Without either (pf_item,
- * also for G > ROWS) rows go one at a time against a transposed K tile. The launcher (paged_prefill.py) validates tables and
- * lengths with pd_validate first, so this trusts its arguments. Requires D % 16 == 0.
+ * also for G > ROWS) rows go one at a time against a transposed K tile. The launcher
+ * (paged_prefill.py) validates tables and lengths with pd_validate first, so this trusts
+ * its arguments. Requires D % 16 == 0.
  */
 #include <math.h>
 #include <stdint.h>
