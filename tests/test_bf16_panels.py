@@ -1,8 +1,9 @@
-"""The bfloat16 panel projection (cpu_kernels/bf16_panels.c, AVX512-BF16) against float64
-matmul: the k-paired packed layout, row counts around its 12-row blocks, one and many
-panels, strided x; every output the same bits whatever rows are beside it; bad arguments
+"""The bfloat16 panel projection (cpu_kernels/bf16_panels.c: AVX512-BF16, or its AVX2 form
+on float32 widenings) against float64 matmul: the k-paired packed layout, row counts around
+its row blocks, one and many panels, strided x; every output the same bits whatever rows
+are beside it; the one rounding to bfloat16 to nearest even, NaNs kept; bad arguments
 refused; and where the CPU has no AMX tiles the CPU linear routes every batch above the GEMV
-(5 rows and up) to it. Skipped where the build has no AVX512-BF16."""
+(5 rows and up) to it. Skipped where the build has neither form."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pdserve.engine.cpu_kernels.amx_linear import amx_available
 from pdserve.engine.cpu_kernels.bf16_panels import bf16_pack, bf16_panels_linear, panels_available
 from pdserve.engine.layers.linear import BATCH_MAX_ROWS, GEMV_MAX_ROWS, batch_packed, cpu_linear
 
-pytestmark = pytest.mark.skipif(not panels_available(), reason="no AVX512-BF16 in this build")
+pytestmark = pytest.mark.skipif(not panels_available(), reason="no bfloat16 panels in this build")
 
 
 def _bf16(*shape, seed):
@@ -46,6 +47,24 @@ def test_a_row_gets_the_same_bits_whatever_rows_are_beside_it():
     whole = bf16_panels_linear(x, packed, 128)
     for lo, hi in ((0, 1), (5, 30), (13, 37), (36, 37)):
         assert torch.equal(bf16_panels_linear(x[lo:hi], packed, 128), whole[lo:hi])
+
+
+def test_one_rounding_to_nearest_even_and_nans_kept():
+    """One-hot rows make each output one exact float32 product: the kernel's only rounding
+    is then torch's (to nearest even); a NaN in a row makes its every output NaN."""
+    w = _bf16(64, 96, seed=8)
+    scale = _bf16(96, seed=9) * 3
+    x = torch.zeros(96, 96, dtype=torch.bfloat16)
+    x[torch.arange(96), torch.arange(96)] = scale  # row k picks column k of w
+    y = bf16_panels_linear(x, bf16_pack(w), 64)
+    want = (scale.float()[:, None] * w.float().T).bfloat16()
+    assert torch.equal(y, want)
+    assert not torch.equal(y, (scale.float()[:, None] * w.float().T).view(torch.int32)
+                           .bitwise_and(-65536).view(torch.float32).bfloat16()), \
+        "every product fit bfloat16: the rounding went untested"
+    x[7, 3] = float("nan")
+    y = bf16_panels_linear(x[:10], bf16_pack(w), 64)
+    assert y[7].isnan().all() and not y[[0, 1, 2, 3, 4, 5, 6, 8, 9]].isnan().any()
 
 
 def test_strided_rows_of_x():

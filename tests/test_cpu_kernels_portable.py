@@ -106,6 +106,17 @@ if panels_available():
         xs = torch.randn(m, 96, generator=gen)
         torch.testing.assert_close(f32_panels_linear(xs, f32_pack(w), 64), xs @ w.T,
                                    atol=1e-4, rtol=1e-5)
+from pdserve.engine.cpu_kernels import bf16_panels
+assert bf16_panels.panels_available() == panels_available()  # v3: the AVX2 form
+if bf16_panels.panels_available():
+    w = torch.randn(64, 96, generator=gen).bfloat16()
+    whole = bf16_panels.bf16_panels_linear(xs := torch.randn(64, 96, generator=gen).bfloat16(),
+                                           bf16_panels.bf16_pack(w), 64)
+    for m in (5, 13, 16, 64):  # row blocks of 5 and fewer; a row's bits whatever its block
+        got = bf16_panels.bf16_panels_linear(xs[:m], bf16_panels.bf16_pack(w), 64)
+        assert torch.equal(got, whole[:m]), m
+        torch.testing.assert_close(got.double(), xs[:m].double() @ w.double().T,
+                                   atol=1e-3, rtol=2 ** -8)
 from pdserve.engine import gguf_blocks
 from pdserve.engine.cpu_kernels.library import load
 lib = load()

@@ -12,7 +12,9 @@ from pdserve.engine.kv_cache import dtype_from_name, parse_bytes
 log = logging.getLogger("pdserve.engine")
 
 # CPU flags (as /proc/cpuinfo spells them) of native bfloat16 matrix math: AVX512-BF16's dot
-# products, AMX's tiles. Without them bfloat16 is converted in software and loses to float32.
+# products, AMX's tiles. Without them --dtype auto keeps float32: on an AVX2 CPU bfloat16
+# runs on float32 FMAs over widened weights (bf16_panels.c), as fast as float32 or faster
+# in batches (half the bytes), but no closer to the checkpoint's float32 results.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -45,16 +47,38 @@ def auto_dtype(device: str, flags: frozenset[str] | None = None) -> tuple[str, s
     return "float32", f"this CPU has none of {', '.join(BF16_CPU_FLAGS)}"
 
 
-def slow_bf16_warning(flags: frozenset[str] | None = None) -> str | None:
+def slow_bf16_warning(flags: frozenset[str] | None = None,
+                      panels: bool | None = None) -> str | None:
     """What to warn of when bfloat16 is asked for on this CPU, or None. A CPU without native
-    bfloat16 math (an AVX2-only one, AMD's Zen 3 say) still runs it, through conversions:
-    it halves the weights' memory but computes slower than float32. Nothing where the flags
-    are unknown (no /proc/cpuinfo)."""
+    bfloat16 math whose kernel build has no bfloat16 panels either (`panels`, asked of the
+    build where None; an x86-64 CPU without AVX2, say) runs bfloat16 through torch's
+    conversions: it halves the weights' memory but computes several times slower than
+    float32 (5x on a Zen 3 before the AVX2 panels). Nothing where the flags are unknown (no
+    /proc/cpuinfo)."""
     flags = cpu_flags() if flags is None else flags
     if not flags or set(BF16_CPU_FLAGS) & flags:
         return None
-    return (f"dtype bfloat16 on a CPU with none of {', '.join(BF16_CPU_FLAGS)}: it runs through "
-            f"conversions, slower than float32 (--dtype auto picks float32 here)")
+    if panels is None:
+        panels = _build_has_bf16_panels()
+    if panels:
+        return None
+    return (f"dtype bfloat16 on a CPU with none of {', '.join(BF16_CPU_FLAGS)} and no "
+            f"bfloat16 panels in the kernel build: it runs through conversions, several times "
+            f"slower than float32 (--dtype auto picks float32 here)")
+
+
+def _build_has_bf16_panels() -> bool:
+    """Whether the CPU kernels built here have bfloat16 panels (False where they do not
+    build: then nothing of bfloat16 is fast)."""
+    from pdserve.engine.cpu_kernels.bf16_panels import panels_available
+    from pdserve.engine.cpu_kernels.build import KernelBuildError
+
+    try:
+        return panels_available()
+    except KernelBuildError:
+        return False
+
+
 # Whether overlap_scheduling=auto turns overlap on for a CPU engine (see overlap_enabled).
 # Off: on the CPU a launch finishes before it returns, so nothing overlaps. Measured once
 # (tiny model, batch 16 decode, one engine, 16 interleaved on/off rounds of 15 steps, on a

@@ -1,6 +1,8 @@
-/* bfloat16 x @ W^T for batched decode rows (5-64) with AVX512-BF16's vdpbf16ps, on CPUs
- * that have it without AMX tiles (AMD's Zen 4 and 5, Intel's Cooper Lake): the counterpart
- * of amx_linear.c there, for the layer loop and the decode stack's batched form.
+/* bfloat16 x @ W^T for batched rows (5 and up) with AVX512-BF16's vdpbf16ps, on CPUs
+ * that have it without AMX tiles (AMD's Zen 4 and 5, Intel's Cooper Lake), or with AVX2
+ * FMAs on float32 widenings where the CPU has no AVX-512 at all (a section of its own
+ * below): the counterpart of amx_linear.c there, for the layer loop and the decode stack's
+ * batched form.
  *
  * W [N, K] (K even) is packed once (bp_pack) into panels of 32 output columns, k-pair
  * major: [N / 32][K / 2][32][2], so that one 64-byte vector holds 16 columns' weights for
@@ -17,18 +19,26 @@
  * region per op (docs/benchmarks.md section 6, session 19).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
 
+/* The AVX2 form: a build with AVX2 and FMA but no AVX-512 (AMD's Zen 2 and 3, Intel's
+ * Haswell to Comet Lake), where torch's oneDNN has no bfloat16 matmul and F.linear ran at
+ * ~20 GFLOP/s on two Zen 3 cores. An AVX-512 CPU without AVX512-BF16 keeps oneDNN's. */
+#if !defined(__AVX512BF16__) && !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define BP_AVX2 1
+#endif
+
 #define PANEL 32 /* output columns per panel */
 #define ROWS 12  /* rows of x per block: 24 accumulators of the 32 vector registers */
 
-/* 1 when this build has the kernel (AVX512-BF16), else 0 (bp_blocks and bp_linear then do
- * nothing). */
+/* 1 when this build has a kernel (AVX512-BF16, or the AVX2 form), else 0 (bp_blocks and
+ * bp_linear then do nothing). */
 int bp_available(void)
 {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || defined(BP_AVX2)
     return 1;
 #else
     return 0;
@@ -97,36 +107,185 @@ static void panel_all_rows(const uint16_t *x, int64_t x_stride, int64_t M,
         m += R;
     }
 }
+#elif defined(BP_AVX2)
+#include <immintrin.h>
+
+/* AVX2 has no bfloat16 products: both sides are widened to float32, each exactly, and
+ * multiplied with FMAs (a product of two bfloat16 is exact in float32).
+ * - x is widened once per call, a chunk of rows at a time, into this thread's scratch
+ *   (XF_FLOATS). Widening a row's pair in the inner loop instead (a broadcast, then a shift
+ *   and an AND per row and k pair) ran at 106-110 GFLOP/s on two Zen 3 cores; from the
+ *   widened rows, 173-178, the float32 panels' speed (f32_panels.c).
+ * - A 32-byte load of the paired layout holds 8 columns' weights for k and k + 1, one
+ *   32-bit lane per column: shifted left 16, the lane is the k weight; with its low half
+ *   cleared, the k + 1 one. So no shuffle: one shift or one AND a vector.
+ * - As f32_panels.c's AVX2 form, a block is half a panel (16 columns) by up to HALF_ROWS
+ *   rows: 10 accumulators, 2 weight vectors, a broadcast and the AND's mask in the 16
+ *   registers (6 rows spill: 84-88 GFLOP/s). All k's then all k + 1's of a pair, so only
+ *   two weight vectors are live at once.
+ * Each output is one float32 FMA chain over k in order, rounded once to bfloat16, whatever
+ * the chunk, the row block, the run of panels or the thread. */
+#define HALF_ROWS 5
+#define XF_FLOATS (1 << 18) /* 1 MiB of widened rows a thread: 455 rows at K = 576 */
+
+/* The floats of a thread's scratch at this K (at least a row), and the rows it holds. */
+static int64_t scratch_floats(int64_t K)
+{
+    return K > XF_FLOATS ? K : XF_FLOATS;
+}
+
+static int64_t chunk_rows(int64_t K)
+{
+    return scratch_floats(K) / K;
+}
+
+/* This thread's scratch for widened rows, grown to at least `floats` and kept (NULL: no
+ * memory). */
+static float *widened_rows(size_t floats)
+{
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        free(buf);
+        buf = malloc(floats * sizeof(float));
+        cap = buf ? floats : 0;
+    }
+    return buf;
+}
+
+/* 8 float32 lanes to bfloat16, rounded to nearest even as f32_to_bf16 (common.h) is. */
+static inline __m128i bf16x8(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    /* a NaN keeps a mantissa bit after the truncation, so it stays a NaN */
+    const __m256i kept =
+        _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    const __m256i h = _mm256_srli_epi32(kept, 16);
+    /* packus narrows within each 128-bit half: lanes 0-3 land in qword 0, 4-7 in qword 2 */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
+}
+
+/* y[r, 0:16] for the R widened rows at xf (row stride K) over one half panel. */
+INLINE void half_rows(const float *xf, const uint16_t *half, int64_t K, uint16_t *y,
+                      int64_t y_stride, const int R)
+{
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 lo[HALF_ROWS], hi[HALF_ROWS];
+    for (int r = 0; r < R; r++) {
+        lo[r] = _mm256_setzero_ps();
+        hi[r] = _mm256_setzero_ps();
+    }
+    for (int64_t k2 = 0; k2 < K / 2; k2++) {
+        const __m256i *w = (const __m256i *)(half + k2 * 2 * PANEL);
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w), 16));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w + 1), 16));
+        for (int r = 0; r < R; r++) {
+            const __m256 a = _mm256_broadcast_ss(xf + r * K + 2 * k2);
+            lo[r] = _mm256_fmadd_ps(a, e0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(a, e1, hi[r]);
+        }
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w), odd));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w + 1), odd));
+        for (int r = 0; r < R; r++) {
+            const __m256 a = _mm256_broadcast_ss(xf + r * K + 2 * k2 + 1);
+            lo[r] = _mm256_fmadd_ps(a, o0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(a, o1, hi[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm_storeu_si128((__m128i *)(y + r * y_stride), bf16x8(lo[r]));
+        _mm_storeu_si128((__m128i *)(y + r * y_stride + 8), bf16x8(hi[r]));
+    }
+}
+
+/* Every widened row over one half panel, in blocks as even as HALF_ROWS allows; R a
+ * constant in each call, so the loops unroll. */
+static void half_panel(const float *xf, int64_t M, const uint16_t *half, int64_t K,
+                       uint16_t *y, int64_t y_stride)
+{
+    const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS;
+    for (int64_t b = 0, m = 0; b < blocks; b++) {
+        const int64_t R = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
+        const float *xr = xf + m * K;
+        uint16_t *yr = y + m * y_stride;
+        switch (R) {
+        case 1: half_rows(xr, half, K, yr, y_stride, 1); break;
+        case 2: half_rows(xr, half, K, yr, y_stride, 2); break;
+        case 3: half_rows(xr, half, K, yr, y_stride, 3); break;
+        case 4: half_rows(xr, half, K, yr, y_stride, 4); break;
+        default: half_rows(xr, half, K, yr, y_stride, HALF_ROWS); break;
+        }
+        m += R;
+    }
+}
 #endif
+
+/* This thread's scratch for bp_blocks at this K and any smaller, made now: 0, or -1 with no
+ * memory. The decode stack calls it in each thread before its first projection, so a step
+ * that cannot have it fails before it writes anything. */
+int bp_reserve(int64_t K)
+{
+#ifdef BP_AVX2
+    return widened_rows((size_t)scratch_floats(K)) ? 0 : -1;
+#else
+    (void)K;
+    return 0;
+#endif
+}
 
 /* Output columns [32 * p0, 32 * p1) of y [M, N] (row stride y_stride) = x [M, K] (row
  * stride x_stride) @ W^T, W packed by bp_pack: one thread's run (the decode stack hands
- * runs out). */
-void bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
-               int64_t K, uint16_t *y, int64_t y_stride, int64_t p0, int64_t p1)
+ * runs out). Returns 0, or -1 with no memory for the widened rows (the AVX2 form; nothing
+ * written). */
+int bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
+              int64_t K, uint16_t *y, int64_t y_stride, int64_t p0, int64_t p1)
 {
 #ifdef __AVX512BF16__
     for (int64_t p = p0; p < p1; p++)
         panel_all_rows(x, x_stride, M, packed + p * K * PANEL, K, y + p * PANEL, y_stride);
+#elif defined(BP_AVX2)
+    const int64_t rows = chunk_rows(K);
+    float *xf = widened_rows((size_t)scratch_floats(K));
+    if (!xf)
+        return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t c = M - m0 < rows ? M - m0 : rows;
+        for (int64_t r = 0; r < c; r++)
+            for (int64_t k = 0; k < K; k++)
+                xf[r * K + k] = bf16_to_f32(x[(m0 + r) * x_stride + k]);
+        for (int64_t p = p0; p < p1; p++)
+            for (int h = 0; h < PANEL; h += 16) /* a half is 2 h elements into a k pair's row */
+                half_panel(xf, c, packed + p * K * PANEL + 2 * h, K,
+                           y + m0 * y_stride + p * PANEL + h, y_stride);
+    }
 #else
     (void)x, (void)x_stride, (void)M, (void)packed, (void)K, (void)y, (void)y_stride, (void)p0,
         (void)p1;
 #endif
+    return 0;
 }
 
 /* y [M, N] (contiguous) = x [M, K] @ W^T over the packed panels, each thread a contiguous
- * run of panels. Returns 0, or -1 where this build lacks the kernel (nothing written). */
+ * run of panels. Returns 0; -1 where this build lacks the kernel (nothing written); -2 no
+ * memory for the widened rows (the AVX2 form). */
 int bp_linear(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
               int64_t N, int64_t K, uint16_t *y, int num_threads)
 {
     if (!bp_available())
         return -1;
     const int64_t panels = N / PANEL;
+    int rc = 0;
 #pragma omp parallel num_threads(threads_for(panels, num_threads))
     {
         int64_t p0, p1;
         team_share(panels, &p0, &p1);
-        bp_blocks(x, x_stride, M, packed, K, y, N, p0, p1);
+        if (bp_blocks(x, x_stride, M, packed, K, y, N, p0, p1))
+            __atomic_store_n(&rc, -2, __ATOMIC_RELAXED);
     }
-    return 0;
+    return rc;
 }

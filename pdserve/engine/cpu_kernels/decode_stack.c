@@ -117,8 +117,9 @@ void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed,
                float *y, int64_t y_stride, int64_t p0, int64_t p1);
 int fp_available(void);
 #define FP_PANEL 32 /* columns per float32 panel (f32_panels.c's PANEL) */
-void bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
-               int64_t K, uint16_t *y, int64_t y_stride, int64_t p0, int64_t p1);
+int bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
+              int64_t K, uint16_t *y, int64_t y_stride, int64_t p0, int64_t p1);
+int bp_reserve(int64_t K);
 int bp_available(void);
 #define BP_PANEL 32 /* columns per bfloat16 panel (bf16_panels.c's PANEL) */
 
@@ -245,7 +246,8 @@ static void store_row(void *dst, const void *src, int64_t n, int dt, int kv_dt)
  * takes it, so the result is the loop's bit for bit. Buffers that feed a projection get
  * rows up to the next multiple of 16, zeroed, for the tiles to read. */
 static void packed_share(const struct team *tm, int64_t step, const char *x, int64_t x_stride,
-                         int64_t M, const void *packed, int64_t N, int64_t K, char *y, int dt)
+                         int64_t M, const void *packed, int64_t N, int64_t K, char *y, int dt,
+                         int *rc)
 {
     if (dt == DT_BF16 && al_available()) { /* by the machine, as linear._batch_kernel packs */
         al_share(tm, step, (const uint16_t *)x, x_stride, M, packed, N, K, (uint16_t *)y);
@@ -253,7 +255,11 @@ static void packed_share(const struct team *tm, int64_t step, const char *x, int
     }
     if (dt == DT_BF16) {
         for (int64_t p0, p1; take(tm, step, N / BP_PANEL, 1, &p0, &p1);)
-            bp_blocks((const uint16_t *)x, x_stride, M, packed, K, (uint16_t *)y, N, p0, p1);
+            if (bp_blocks((const uint16_t *)x, x_stride, M, packed, K, (uint16_t *)y, N, p0,
+                          p1)) { /* no memory: reserved up front, so not expected */
+                __atomic_store_n(rc, -1, __ATOMIC_RELAXED);
+                return;
+            }
         return;
     }
     for (int64_t p0, p1; take(tm, step, N / FP_PANEL, 1, &p0, &p1);)
@@ -271,6 +277,7 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
     const size_t es = dt == DT_F32 ? 4 : 2, kv_es = m->kv_dt == DT_F32 ? 4 : 2;
     const int64_t H = m->H, QD = m->Hq * m->D, KVD = m->Hkv * m->D, I = m->I;
     const int64_t QKV = QD + 2 * KVD, M16 = (M + 15) / 16 * 16;
+    const int64_t K_max = H > QD ? (H > I ? H : I) : (QD > I ? QD : I); /* the widest x */
     for (int64_t b = 0; b < M; b++) /* before any write: rows are shared out below */
         if (positions[b] < 0 || positions[b] >= m->max_position)
             return -2;
@@ -295,17 +302,22 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
     {
         struct team tm = {work, 0, 1, want};
         join_team(&bar, &tm.t, &tm.nt);
+        /* the bfloat16 panels' AVX2 form widens x into a scratch of each thread's: made
+         * here, so a step without the memory stops before it writes anything */
+        if (dt == DT_BF16 && !al_available() && bp_reserve(K_max))
+            __atomic_store_n(&rc, -1, __ATOMIC_RELAXED);
         for (int64_t r0, r1; take(&tm, m->L * W_STEPS + W_NEXT_NORM, M, ROW_RUN, &r0, &r1);)
             lo_add_rms_norm(AT(xs, r0 * H), H, NULL, weights[0], AT(h, r0 * H), r1 - r0,
                             (int)H, m->eps, dt, 1);
         barrier_wait(&bar);
-        for (int64_t l = 0; l < m->L; l++) {
+        /* rc is read after a barrier, which every thread passes: all leave together */
+        for (int64_t l = 0; l < m->L && !__atomic_load_n(&rc, __ATOMIC_RELAXED); l++) {
             const void *const *w = weights + 6 * l;
             const void *const *p = packed + 6 * l;
             const int64_t c = l * W_STEPS; /* this layer's counters */
             char *k_cache = (char *)cache + (size_t)(l * m->cache_layer_stride) * kv_es;
             char *v_cache = k_cache + (size_t)(m->cache_layer_stride / 2) * kv_es;
-            packed_share(&tm, c + W_QKV, h, H, M, p[1], QKV, H, qkv, dt);
+            packed_share(&tm, c + W_QKV, h, H, M, p[1], QKV, H, qkv, dt, &rc);
             barrier_wait(&bar);
             /* positions were checked above: RoPE cannot refuse a row */
             for (int64_t r0, r1; take(&tm, c + W_ROPE, M, ROW_RUN, &r0, &r1);) {
@@ -328,18 +340,18 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
             barrier_wait(&bar);
             if (__atomic_load_n(&rc, __ATOMIC_RELAXED)) /* every thread leaves here */
                 break;
-            packed_share(&tm, c + W_O, attn, QD, M, p[2], H, QD, y, dt);
+            packed_share(&tm, c + W_O, attn, QD, M, p[2], H, QD, y, dt, &rc);
             barrier_wait(&bar);
             for (int64_t r0, r1; take(&tm, c + W_POST_NORM, M, ROW_RUN, &r0, &r1);)
                 lo_add_rms_norm(AT(xs, r0 * H), H, AT(y, r0 * H), w[3], AT(h, r0 * H), r1 - r0,
                                 (int)H, m->eps, dt, 1);
             barrier_wait(&bar);
-            packed_share(&tm, c + W_GATE_UP, h, H, M, p[4], 2 * I, H, gu, dt);
+            packed_share(&tm, c + W_GATE_UP, h, H, M, p[4], 2 * I, H, gu, dt, &rc);
             barrier_wait(&bar);
             for (int64_t r0, r1; take(&tm, c + W_SILU, M, ROW_RUN, &r0, &r1);)
                 lo_silu_mul(AT(gu, r0 * 2 * I), AT(act, r0 * I), r1 - r0, (int)I, dt, 1);
             barrier_wait(&bar);
-            packed_share(&tm, c + W_DOWN, act, I, M, p[5], H, I, y, dt);
+            packed_share(&tm, c + W_DOWN, act, I, M, p[5], H, I, y, dt, &rc);
             barrier_wait(&bar);
             const void *next_norm = l + 1 < m->L ? weights[6 * (l + 1)] : final_norm;
             for (int64_t r0, r1; take(&tm, c + W_NEXT_NORM, M, ROW_RUN, &r0, &r1);)
@@ -350,7 +362,7 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
         /* the logits, shared out as a projection (the last counters' set) */
         if (head && head->packed && !__atomic_load_n(&rc, __ATOMIC_RELAXED))
             packed_share(&tm, m->L * W_STEPS + W_QKV, h, H, M, head->packed, head->V, H,
-                         head->logits, dt);
+                         head->logits, dt, &rc);
     }
 #undef AT
     if (!rc)
