@@ -237,8 +237,8 @@ static void store_row(void *dst, const void *src, int64_t n, int dt, int kv_dt)
 }
 
 /* The batched form (packed non-NULL): every projection over the packed copies the layer
- * loop also reads for these batches (bfloat16 on AMX tiles, amx_linear.c, or AVX512-BF16
- * panels, bf16_panels.c; float32 on AVX-512 or AVX2 panels, f32_panels.c), in runs of 32
+ * loop also reads for these batches (bfloat16 on AMX tiles, amx_linear.c, or bfloat16
+ * panels, AVX512-BF16 or AVX2, bf16_panels.c; float32 on AVX-512 or AVX2 panels, f32_panels.c), in runs of 32
  * output columns, and every other step in runs too: of rows for the element-wise steps, of
  * work items for attention. The layer loop runs the same kernels for these batches
  * (pdserve::amx_linear, pdserve::bf16_panels_linear or pdserve::f32_panels_linear, the

@@ -3,10 +3,10 @@ step in one C call (the model's layer loop, kernel for kernel, without a Python 
 per kernel; over the int8 projections where the model is quantized, or the GGUF blocks the
 model's weights came from, pdserve.engine.gguf_blocks). Up to GEMV_MAX_ROWS rows
 (gguf_blocks.F32_GEMV_MAX_ROWS over a float32 model's blocks) the projections stream the
-weights (the GEMV); batches up to BATCH_MAX_ROWS run over
-the packed copies the layer loop also uses for them (`linear.batch_packed`: AMX tiles or
-AVX512-BF16 panels for bfloat16, AVX-512 or AVX2 panels for float32) where the machine and
-build have those kernels.
+weights (the GEMV); batches up to BATCH_MAX_ROWS run over the packed copies the layer loop
+also uses for them (`linear.batch_packed`: AMX tiles or bfloat16 panels, AVX512-BF16 or
+AVX2, for bfloat16; AVX-512 or AVX2 panels for float32) where the machine and build have
+those kernels.
 
 Life cycle: built once per (model, KV cache) by the model, which checks there every
 weight's shape, dtype and layout and the cache's; `run` then checks only what changes per
@@ -49,8 +49,8 @@ _ERRORS = {-1: (MemoryError, "no memory for the decode stack's scratch buffers")
            -2: (ValueError, "a position is outside the RoPE tables"),
            -3: (MemoryError, "the paged decode kernel could not allocate its scratch memory"),
            -4: (ValueError, "a slot is outside the KV cache"),
-           -5: (RuntimeError, "the batched decode stack's kernel (AMX tiles, AVX-512 "
-                              "or AVX512-BF16 panels) is missing from this build or machine"),
+           -5: (RuntimeError, "the batched decode stack's kernel (AMX tiles or panels) is "
+                              "missing from this build or machine"),
            -6: (ValueError, "GGUF blocks are read only without int8, by a build with their "
                             "vector form for the model's dtype")}
 

@@ -1,7 +1,7 @@
 """x @ W.T for the model's projections: F.linear, oneDNN's matmul, or on the CPU the C
-kernels: the GEMV for a few rows, and for decode batches the AMX tiles or AVX512-BF16 panels
-(bfloat16) or AVX-512 or AVX2 panels (float32) over a packed copy of each weight; the
-AVX512-BF16 panels take prefill chunks too."""
+kernels: the GEMV for a few rows, and for decode batches the AMX tiles or bfloat16 panels
+(AVX512-BF16, or AVX2) or AVX-512 or AVX2 panels (float32) over a packed copy of each
+weight; the bfloat16 panels take prefill chunks too."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ BATCH_MAX_ROWS = 64
 # The AVX512-BF16 panels also win past it, at prefill sizes: a step's projections against
 # oneDNN on its blocked copy, on a Zen 4, 1.06x at 128 rows, 1.10x at 256, 1.12x at 512,
 # 1.04x at 1024 (`python -m pdserve.bench.cpu_linear`, docs/benchmarks.md section 6,
-# session 20), so they take every row count above the GEMV's. The AMX tiles (oneDNN's
+# session 20), so they take every row count above the GEMV's. So does their AVX2 form,
+# where oneDNN has no bfloat16 at all (F.linear: ~20 GFLOP/s on two Zen 3 cores, the
+# panels 146-181 at 16-2048 rows; session 29). The AMX tiles (oneDNN's
 # blocking wins from 128 rows) and the float32 panels (1.02-1.03x there, unmeasured past 64
 # rows elsewhere) stop at BATCH_MAX_ROWS.
 # oneDNN's blocked copy of a weight is made for a batch size, but serves any (measured:
@@ -110,7 +112,7 @@ def cpu_linear() -> Linear:
 
 
 def packed_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """x @ W.T over `batch_packed(weight)`: AMX tiles or AVX512-BF16 panels for bfloat16,
+    """x @ W.T over `batch_packed(weight)`: AMX tiles or bfloat16 panels for bfloat16,
     AVX-512 or AVX2 panels for float32; None where the weight has no packed copy (its dtype,
     its shape, or this CPU or build lacks the kernel) or x has more rows than its kernel
     wins at (`_batch_kernel`)."""
@@ -139,7 +141,8 @@ class BatchKernel:
 
 def _batch_kernel(weight: torch.Tensor) -> BatchKernel | None:
     """The batched kernel that takes this weight on this CPU and build, or None. bfloat16:
-    AMX tiles on a CPU with them, else AVX512-BF16 panels; chosen by the machine alone, as
+    AMX tiles on a CPU with them, else bfloat16 panels (AVX512-BF16, or the AVX2 form where
+    the build has no AVX-512); chosen by the machine alone, as
     the decode stack's batched form chooses which layout to read (a weight the tiles cannot
     take gets no packed copy there, not panels). float32: panels."""
     from pdserve.engine.cpu_kernels import amx_linear, bf16_panels, f32_panels
@@ -171,7 +174,7 @@ def _packed(weight: torch.Tensor) -> tuple[torch.Tensor, BatchKernel] | None:
 
 def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a weight the batched kernels read (a bfloat16 weight in the AMX
-    tiles' layout where the CPU has them, else in AVX512-BF16 panels where the build has
+    tiles' layout where the CPU has them, else in bfloat16 panels where the build has
     them; a float32 one in AVX-512 or AVX2 panels where the build has them), made at its
     first use and kept while the weight lives (like oneDNN's blocked copy: one more copy of
     the projections in memory), shared by the layer loop and the decode stack; None when no
