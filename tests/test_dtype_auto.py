@@ -19,8 +19,11 @@ def test_auto_reads_the_cpu_flags(tmp_path):
     assert cpu_flags(str(tmp_path / "absent")) == frozenset()
     assert auto_dtype("cpu", frozenset({"avx512f", "avx512_bf16"}))[0] == "bfloat16"
     assert auto_dtype("cpu", frozenset({"amx_tile", "amx_bf16"}))[0] == "bfloat16"
-    dtype, why = auto_dtype("cpu", frozenset({"avx2", "avx512f"}))
-    assert dtype == "float32" and "avx512_bf16" in why
+    dtype, why = auto_dtype("cpu", frozenset({"avx2", "avx512f"}), panels=False)
+    assert dtype == "float32" and "avx512_bf16" in why and "--dtype bfloat16" not in why
+    # a build with the AVX2 panels: float32 still, and the log says what bfloat16 would give
+    dtype, why = auto_dtype("cpu", frozenset({"avx2", "fma"}), panels=True)
+    assert dtype == "float32" and "--dtype bfloat16 would run on" in why
 
 
 def test_auto_resolves_once_and_says_so(tiny_model_dir, caplog):

@@ -30,9 +30,12 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def auto_dtype(device: str, flags: frozenset[str] | None = None) -> tuple[str, str]:
+def auto_dtype(device: str, flags: frozenset[str] | None = None,
+               panels: bool | None = None) -> tuple[str, str]:
     """(dtype, why) for --dtype auto: bfloat16 on a CPU with native bfloat16 math and on
-    CUDA devices that support it, float16 on other CUDA devices, float32 otherwise."""
+    CUDA devices that support it, float16 on other CUDA devices, float32 otherwise. Where
+    float32 is picked on a CPU whose kernel build has bfloat16 panels (`panels`, asked of
+    the build where None), `why` says what --dtype bfloat16 would give instead."""
     if device.startswith("cuda"):
         import torch
 
@@ -44,7 +47,11 @@ def auto_dtype(device: str, flags: frozenset[str] | None = None) -> tuple[str, s
     found = sorted(set(BF16_CPU_FLAGS) & (cpu_flags() if flags is None else flags))
     if found:
         return "bfloat16", f"this CPU has {', '.join(found)}"
-    return "float32", f"this CPU has none of {', '.join(BF16_CPU_FLAGS)}"
+    why = f"this CPU has none of {', '.join(BF16_CPU_FLAGS)}"
+    if _build_has_bf16_panels() if panels is None else panels:
+        why += ("; --dtype bfloat16 would run on this build's bfloat16 panels: half the "
+                "weights' memory, faster batches, values further from the checkpoint's")
+    return "float32", why
 
 
 def slow_bf16_warning(flags: frozenset[str] | None = None,

@@ -19,7 +19,6 @@
  * region per op (docs/benchmarks.md section 6, session 19).
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -139,20 +138,6 @@ static int64_t chunk_rows(int64_t K)
     return scratch_floats(K) / K;
 }
 
-/* This thread's scratch for widened rows, grown to at least `floats` and kept (NULL: no
- * memory). */
-static float *widened_rows(size_t floats)
-{
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        free(buf);
-        buf = malloc(floats * sizeof(float));
-        cap = buf ? floats : 0;
-    }
-    return buf;
-}
-
 /* 8 float32 lanes to bfloat16, rounded to nearest even as f32_to_bf16 (common.h) is. */
 static inline __m128i bf16x8(__m256 v)
 {
@@ -231,7 +216,7 @@ static void half_panel(const float *xf, int64_t M, const uint16_t *half, int64_t
 int bp_reserve(int64_t K)
 {
 #ifdef BP_AVX2
-    return widened_rows((size_t)scratch_floats(K)) ? 0 : -1;
+    return thread_scratch((size_t)scratch_floats(K)) ? 0 : -1;
 #else
     (void)K;
     return 0;
@@ -250,7 +235,7 @@ int bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *pa
         panel_all_rows(x, x_stride, M, packed + p * K * PANEL, K, y + p * PANEL, y_stride);
 #elif defined(BP_AVX2)
     const int64_t rows = chunk_rows(K);
-    float *xf = widened_rows((size_t)scratch_floats(K));
+    float *xf = thread_scratch((size_t)scratch_floats(K));
     if (!xf)
         return -1;
     for (int64_t m0 = 0; m0 < M; m0 += rows) {

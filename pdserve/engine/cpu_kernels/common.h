@@ -1,7 +1,7 @@
 /* What the CPU kernels share: the dtype codes every entry point takes (library.py's
  * DTYPE_CODES holds the same table for Python), bfloat16 <-> float32, INLINE, a thread's
- * place in its OpenMP team, and the range-clamped exponentials of the softmax and SiLU
- * loops.
+ * place in its OpenMP team and its scratch, and the range-clamped exponentials of the
+ * softmax and SiLU loops.
  * A bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to
  * nearest even as torch does. */
 #ifndef PDSERVE_CPU_KERNELS_COMMON_H
@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -57,6 +58,21 @@ static inline void team_share(int64_t units, int64_t *u0, int64_t *u1)
     const int64_t t = team_thread(), nt = team_size();
     *u0 = units * t / nt;
     *u1 = units * (t + 1) / nt;
+}
+
+/* This thread's scratch of at least `floats` floats, grown when asked for more and kept for
+ * the thread's life (NULL: no memory). One buffer per source file that calls it (the
+ * function is static), so two kernels' scratches never share memory. */
+static inline float *thread_scratch(size_t floats)
+{
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        free(buf);
+        buf = malloc(floats * sizeof(float));
+        cap = buf ? floats : 0;
+    }
+    return buf;
 }
 
 static inline float bf16_to_f32(uint16_t h)

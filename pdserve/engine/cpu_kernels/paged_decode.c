@@ -738,22 +738,6 @@ int pd_validate(const int32_t *lens, const int32_t *tables, int64_t bt_stride, i
     return 0;
 }
 
-/* This thread's scratch of at least `floats`, kept for the thread's life (NULL when it
- * cannot be had). Allocated per call, the team's threads met at malloc's lock at every
- * layer of a decode step, all arriving at attention together: the process has one arena
- * (pdserve.engine.heap_tuning), and a thread that finds the lock taken sleeps on it. */
-static float *thread_scratch(size_t floats)
-{
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        free(buf);
-        buf = malloc(floats * sizeof(float));
-        cap = buf ? floats : 0;
-    }
-    return buf;
-}
-
 /* The redo side of claim_items (pd_decode_team_redo): the flags of the call's items, how a
  * thread waits for one a sibling holds, and the tests' hook between a claim and its work. */
 struct redo {
@@ -772,6 +756,10 @@ static int claim_items(const struct args *a, int *next, const struct redo *redo)
 {
     const item_fn item = pick_item(a->D, a->q_dt, a->kv_dt);
     const int per_seq = a->Hkv / a->hg, items = a->B * per_seq;
+    /* common.h's, kept per thread: allocated per call, the team's threads met at malloc's
+     * lock at every layer of a decode step, all arriving at attention together (the process
+     * has one arena, pdserve.engine.heap_tuning, and a thread that finds the lock taken
+     * sleeps on it) */
     float *scratch = thread_scratch(scratch_floats(a));
     if (!scratch)
         return -1;
