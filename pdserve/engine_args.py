@@ -39,10 +39,11 @@ ENGINE_FLAGS = (
           "decode-attention reads; prefill and decode workers must agree",
           {"choices": ["auto", "float32", "bfloat16", "float16"]}),
     _Flag("--quantization", "none",
-          "none (default) or int8: weight-only int8 projections and LM head, one scale per "
-          "output row. CPU only: a decode step of 1-4 sequences streams half of bfloat16's "
-          "weight bytes; larger batches and prefill compute on the de-quantized weights. "
-          "Prefill and decode workers should agree",
+          "none (default) or int8: int8 projections and LM head, a float32 scale per 64 "
+          "weights of a row. CPU only: a decode step of 1-4 sequences quantizes its rows of "
+          "x the same way and streams 0.53x bfloat16's weight bytes; larger batches and "
+          "prefill compute on the de-quantized weights. Prefill and decode workers should "
+          "agree",
           {"choices": ["none", *QUANTIZATIONS]}),
     _Flag("--no-gguf-blocks", False,
           "a model from a Q4_1 GGUF (the default model): do not stream the weights' GGUF "
