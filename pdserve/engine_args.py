@@ -47,16 +47,20 @@ ENGINE_FLAGS = (
           {"choices": ["none", *QUANTIZATIONS]}),
     _Flag("--no-gguf-blocks", False,
           "a model from a Q4_1 GGUF (the default model): do not stream the weights' GGUF "
-          "blocks in decode steps of 1-4 sequences (the same values, bit for bit, in a sixth "
-          "of float32's bytes, a third of bfloat16's); stream the model's rows instead",
+          "blocks in decode steps of a few sequences (1-8 in float32, 1-4 in bfloat16, "
+          "where this build has their vector form: float32 with AVX2 or AVX-512 VBMI, "
+          "bfloat16 with AVX512-BF16; the same values, bit for bit, in a sixth of float32's "
+          "bytes, a third of bfloat16's); stream the model's rows instead",
           switch=True),
     _Flag("--device", "cpu", "torch device (default cpu)"),
     _Flag("--kv-cache-memory", "1GiB",
           "memory for the paged KV cache, e.g. 512MiB, 2GiB (default 1GiB)"),
     _Flag("--block-size", 16, "tokens per KV block (default 16)", {"type": int}),
     _Flag("--max-num-batched-tokens", 2048,
-          "token budget of one engine step; longer prompts are chunked", {"type": int}),
-    _Flag("--max-num-seqs", 256, "most sequences in the running batch", {"type": int}),
+          "token budget of one engine step (default 2048); longer prompts are chunked",
+          {"type": int}),
+    _Flag("--max-num-seqs", 256, "most sequences in the running batch (default 256)",
+          {"type": int}),
     _Flag("--attention-backend", "auto",
           "auto: triton on CUDA, cpu (C kernel) on CPU, torch if it cannot be built",
           {"choices": ["auto", "torch", "cpu", "triton"]}),
