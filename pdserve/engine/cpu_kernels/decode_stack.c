@@ -243,8 +243,9 @@ static void store_row(void *dst, const void *src, int64_t n, int dt, int kv_dt)
  * for the element-wise steps, of work items for attention. The layer loop runs the same
  * kernels for these batches (pdserve::amx_linear, pdserve::bf16_panels_linear or
  * pdserve::f32_panels_linear, the layer ops, the paged decode kernel), each row computed
- * the same way whichever thread takes it, so the result is the loop's bit for bit. Buffers that feed a projection get
- * rows up to the next multiple of 16, zeroed, for the tiles to read. */
+ * the same way whichever thread takes it, so the result is the loop's bit for bit. Buffers
+ * that feed a projection get rows up to the next multiple of 16, zeroed, for the tiles to
+ * read. */
 static void packed_share(const struct team *tm, int64_t step, const char *x, int64_t x_stride,
                          int64_t M, const void *packed, int64_t N, int64_t K, char *y, int dt,
                          int *rc)
