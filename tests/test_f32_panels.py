@@ -1,7 +1,8 @@
 """The float32 panel projection (cpu_kernels/f32_panels.c) against float64 matmul: the
 packed layout, row counts around its 12-row blocks, one and many panels, strided x; every
 output one FMA chain whatever the rows beside it; bad arguments refused; and the CPU linear
-routes 5..BATCH_MAX_ROWS float32 rows to it. Skipped where the build has no AVX-512."""
+routes every float32 batch past the GEMV's rows to it. Skipped where the build has no
+panels (AVX-512, or AVX2 with FMA)."""
 
 from __future__ import annotations
 
@@ -70,11 +71,12 @@ def test_pack_refuses_weights_it_cannot_take():
         f32_pack(torch.zeros(32, 64, dtype=torch.bfloat16))
 
 
-def test_the_cpu_linear_uses_the_panels_between_the_gemv_and_onednn():
+def test_the_cpu_linear_uses_the_panels_past_the_gemv():
     linear = cpu_linear()
     w = _f32(960, 576, seed=3)
     packed = f32_pack(w)
-    for m in (GEMV_MAX_ROWS + 1, 33, BATCH_MAX_ROWS):
+    # decode batches, and prefill chunks past BATCH_MAX_ROWS
+    for m in (GEMV_MAX_ROWS + 1, 33, BATCH_MAX_ROWS, BATCH_MAX_ROWS + 1, 300):
         x = _f32(m, 576, seed=m)
         assert torch.equal(linear(x, w), f32_panels_linear(x, packed, 960)), m
     # a shape the panels cannot take goes to oneDNN, still right

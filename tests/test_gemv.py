@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.cpu_kernels.amx_linear import amx_available
 from pdserve.engine.cpu_kernels.bf16_panels import panels_available
+from pdserve.engine.cpu_kernels.f32_panels import panels_available as f32_panels_available
 from pdserve.engine.cpu_kernels.gemv import gemv_linear
 from pdserve.engine.layers import linear
 from pdserve.engine.layers.registry import build_layer_ops
@@ -101,18 +102,23 @@ def test_cpu_ops_use_it_for_decode_rows_only(monkeypatch):
             torch.testing.assert_close(ops.linear(x, wd).double(), _reference(x, wd),
                                        **TOL[dtype])
     # the GEMV took the decode-sized calls; the blocked copy was made once per weight, for
-    # the dtypes oneDNN runs on this CPU (F.linear took the others), but for bfloat16 where
-    # the AVX512-BF16 panels take every batch (no AMX here)
+    # the dtypes oneDNN runs on this CPU (F.linear took the others), but where panels take
+    # every batch (float32's, bfloat16's without AMX)
     assert gemv_rows == [1, linear.GEMV_MAX_ROWS] * 2
-    bf16_all_panels = panels_available() and not amx_available()
+    all_panels = {torch.float32: f32_panels_available(),
+                  torch.bfloat16: panels_available() and not amx_available()}
     blocked = [d for d in (torch.float32, torch.bfloat16) if linear.onednn_takes(d)
-               and not (d == torch.bfloat16 and bf16_all_panels)]
-    assert torch.float32 in blocked
+               and not all_panels[d]]
     assert packs == [(64, 32)] * len(blocked)
-    # a weight that goes away takes its blocked copy with it: a new one is packed anew
+    # a weight that goes away takes its blocked copy with it: a new one is packed anew (40
+    # rows: no panels take it, so oneDNN does, in float32, everywhere)
     del wd, w
-    gc.collect()
-    ops.linear(torch.randn(linear.BATCH_MAX_ROWS + 1, 32), torch.randn(64, 32))
+    odd = torch.randn(40, 32)
+    ops.linear(torch.randn(linear.BATCH_MAX_ROWS + 1, 32), odd)
     assert len(packs) == len(blocked) + 1
+    del odd
+    gc.collect()
+    ops.linear(torch.randn(linear.BATCH_MAX_ROWS + 1, 32), torch.randn(40, 32))
+    assert len(packs) == len(blocked) + 2
     # the eager bundle, the reference, never takes the C path
     assert build_layer_ops("torch", torch.device("cpu")).linear is linear.onednn_linear

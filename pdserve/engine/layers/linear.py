@@ -1,7 +1,7 @@
 """x @ W.T for the model's projections: F.linear, oneDNN's matmul, or on the CPU the C
 kernels: the GEMV for a few rows, and for decode batches the AMX tiles or bfloat16 panels
 (AVX512-BF16, or AVX2) or AVX-512 or AVX2 panels (float32) over a packed copy of each
-weight; the bfloat16 panels take prefill chunks too."""
+weight; the panels take prefill chunks too."""
 
 from __future__ import annotations
 
@@ -34,9 +34,12 @@ BATCH_MAX_ROWS = 64
 # 1.04x at 1024 (`python -m pdserve.bench.cpu_linear`, docs/benchmarks.md section 6,
 # session 20), so they take every row count above the GEMV's. So does their AVX2 form,
 # where oneDNN has no bfloat16 at all (F.linear: ~20 GFLOP/s on two Zen 3 cores, the
-# panels 146-181 at 16-2048 rows; session 29). The AMX tiles (oneDNN's
-# blocking wins from 128 rows) and the float32 panels (1.02-1.03x there, unmeasured past 64
-# rows elsewhere) stop at BATCH_MAX_ROWS.
+# panels 146-181 at 16-2048 rows; session 29). So do the float32 panels: 1.02-1.03x oneDNN
+# per call past 64 rows on a Zen 4 (session 20); on a Zen 3 a whole float32 prefill, three
+# runs alternated, 194-204 ms against 219-227 at 128 tokens and 745-773 against 798-824 at
+# 512 (session 29; unmeasured on a Xeon). oneDNN then keeps no blocked copy of those
+# weights. Only the AMX tiles (oneDNN's blocking wins from 128 rows) stop at
+# BATCH_MAX_ROWS.
 # oneDNN's blocked copy of a weight is made for a batch size, but serves any (measured:
 # a copy made for M rows ran M + 7 rows as fast); 128 is between a decode batch and a
 # prefill chunk.
@@ -142,9 +145,10 @@ class BatchKernel:
 def _batch_kernel(weight: torch.Tensor) -> BatchKernel | None:
     """The batched kernel that takes this weight on this CPU and build, or None. bfloat16:
     AMX tiles on a CPU with them, else bfloat16 panels (AVX512-BF16, or the AVX2 form where
-    the build has no AVX-512); chosen by the machine alone, as
-    the decode stack's batched form chooses which layout to read (a weight the tiles cannot
-    take gets no packed copy there, not panels). float32: panels."""
+    the build has no AVX-512); chosen by the machine alone, as the decode stack's batched
+    form chooses which layout to read (a weight the tiles cannot take gets no packed copy
+    there, not panels). float32: panels. The panels take every row count, the tiles up to
+    BATCH_MAX_ROWS."""
     from pdserve.engine.cpu_kernels import amx_linear, bf16_panels, f32_panels
 
     if weight.dtype == torch.bfloat16 and amx_linear.amx_available():
@@ -154,7 +158,7 @@ def _batch_kernel(weight: torch.Tensor) -> BatchKernel | None:
     if bf16_panels.packable(weight) and bf16_panels.panels_available():
         return BatchKernel(bf16_panels.bf16_pack, bf16_panels.bf16_panels_linear, math.inf)
     if f32_panels.packable(weight) and f32_panels.panels_available():
-        return BatchKernel(f32_panels.f32_pack, f32_panels.f32_panels_linear, BATCH_MAX_ROWS)
+        return BatchKernel(f32_panels.f32_pack, f32_panels.f32_panels_linear, math.inf)
     return None
 
 
@@ -185,8 +189,8 @@ def batch_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 def prepack_cpu_copies(linear: Linear, weights: list[torch.Tensor]) -> None:
     """Make the copies `cpu_linear` keeps of these weights now: oneDNN's blocked copy where
-    a product of BATCH_MAX_ROWS + 1 zero rows reaches oneDNN (not under the AVX512-BF16
-    panels, which take every batch) and the batched kernels' (`batch_packed`)."""
+    a product of BATCH_MAX_ROWS + 1 zero rows reaches oneDNN (not under the panels, which
+    take every batch) and the batched kernels' (`batch_packed`)."""
     with torch.inference_mode():
         for w in weights:
             linear(torch.zeros(BATCH_MAX_ROWS + 1, w.shape[1], dtype=w.dtype), w)
