@@ -114,7 +114,7 @@ void al_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *p
                int64_t next_nb);
 int al_available(void);
 void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed, int64_t K,
-               float *y, int64_t y_stride, int64_t p0, int64_t p1);
+               float *y, int64_t y_stride, int64_t p0, int64_t p1, int64_t panels);
 int fp_available(void);
 #define FP_PANEL 32 /* columns per float32 panel (f32_panels.c's PANEL) */
 int bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
@@ -264,7 +264,8 @@ static void packed_share(const struct team *tm, int64_t step, const char *x, int
         return;
     }
     for (int64_t p0, p1; take(tm, step, N / FP_PANEL, 1, &p0, &p1);)
-        fp_blocks((const float *)x, x_stride, M, packed, K, (float *)y, N, p0, p1);
+        fp_blocks((const float *)x, x_stride, M, packed, K, (float *)y, N, p0, p1,
+                  N / FP_PANEL);
 }
 
 static int batched_layers(const struct ds_model *m, const void *const *weights,

@@ -106,22 +106,33 @@ static void rest_rows(const float *x, int64_t x_stride, const float *panel, int6
 /* AVX2 has 16 vector registers: a block is half a panel (16 columns, two 32-byte vectors)
  * by up to HALF_ROWS rows, 12 accumulators; per k, 2 loads and 6 broadcasts feed 12 FMAs.
  * The same panels and the same chain per output over k in order as the AVX-512 kernel, so
- * both give the same bits. No software prefetch: on Zen 3 every hint fills L1, and the
- * GEMV's prefetches there cost 1.08-1.17x (gemv.c). On two Zen 3 cores, against oneDNN's
- * matmul on its blocked copy (`python -m pdserve.bench.cpu_linear`): 1.08-1.17x at 12-64
- * rows; a whole float32 decode step in the decode stack's batched form 0.93x the layer
- * loop's on oneDNN at 16 rows, 0.88x at 64 (docs/benchmarks.md section 6, session 18). */
+ * both give the same bits. A panel's first pass waits on memory and its later passes on
+ * the FMAs; those later passes ask for the next panel (fp_blocks), spread evenly, so the
+ * two overlap. No hint within the streaming pass: on Zen 3 every hint fills L1, and the
+ * GEMV's ahead of its own stream cost 1.08-1.17x (gemv.c). A whole model's projections on
+ * two Zen 3 cores, alternated against no hints (docs/bench/cpu-s30/panels_ab.c): 0.70 at
+ * 6 rows, 0.71 at 9, 0.78 at 16, 0.83 at 32, 0.99 at 64 (docs/benchmarks.md section 6,
+ * session 30). */
 #define HALF_ROWS 6
 
 INLINE void half_rows(const float *x, int64_t x_stride, const float *half, int64_t K, float *y,
-                      int64_t y_stride, const int R)
+                      int64_t y_stride, const int R, const char *pf, int64_t pf_lines)
 {
     __m256 lo[HALF_ROWS], hi[HALF_ROWS];
     for (int r = 0; r < R; r++) {
         lo[r] = _mm256_setzero_ps();
         hi[r] = _mm256_setzero_ps();
     }
+    /* the slice's lines spread evenly over the pass (two a k where it has more than K) */
+    const int64_t every = pf && pf_lines < K ? K / pf_lines : 1;
+    int64_t line = 0, due = 0;
     for (int64_t k = 0; k < K; k++) {
+        if (pf && k == due && line < pf_lines) {
+            _mm_prefetch(pf + 64 * line++, _MM_HINT_T0);
+            if (pf_lines > K + k)
+                _mm_prefetch(pf + 64 * (K + k), _MM_HINT_T0);
+            due += every;
+        }
         const __m256 w0 = _mm256_loadu_ps(half + k * PANEL);
         const __m256 w1 = _mm256_loadu_ps(half + k * PANEL + 8);
         for (int r = 0; r < R; r++) {
@@ -137,22 +148,24 @@ INLINE void half_rows(const float *x, int64_t x_stride, const float *half, int64
 }
 
 /* Every row of x over one half panel, in blocks as even as HALF_ROWS allows (16 rows as
- * 6 + 5 + 5, not 6 + 6 + 4); R a constant in each call, so the loops unroll. */
+ * 6 + 5 + 5, not 6 + 6 + 4); R a constant in each call, so the loops unroll. pf: NULL, or
+ * the next panel, asked for a slice of `pf_lines` lines a block from `first` on. */
 static void half_panel(const float *x, int64_t x_stride, int64_t M, const float *half,
-                       int64_t K, float *y, int64_t y_stride)
+                       int64_t K, float *y, int64_t y_stride, const char *pf, int64_t pf_lines,
+                       int first)
 {
     const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS;
     for (int64_t b = 0, m = 0; b < blocks; b++) {
         const int64_t R = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
         const float *xr = x + m * x_stride;
         float *yr = y + m * y_stride;
+        const char *slice = pf && b >= first ? pf + 64 * pf_lines * (b - first) : NULL;
         switch (R) {
-        case 1: half_rows(xr, x_stride, half, K, yr, y_stride, 1); break;
-        case 2: half_rows(xr, x_stride, half, K, yr, y_stride, 2); break;
-        case 3: half_rows(xr, x_stride, half, K, yr, y_stride, 3); break;
-        case 4: half_rows(xr, x_stride, half, K, yr, y_stride, 4); break;
-        case 5: half_rows(xr, x_stride, half, K, yr, y_stride, 5); break;
-        default: half_rows(xr, x_stride, half, K, yr, y_stride, HALF_ROWS); break;
+#define CASE(n)                                                                               \
+    case n: half_rows(xr, x_stride, half, K, yr, y_stride, n, slice, pf_lines); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5)
+#undef CASE
+        default: half_rows(xr, x_stride, half, K, yr, y_stride, HALF_ROWS, slice, pf_lines); break;
         }
         m += R;
     }
@@ -163,9 +176,10 @@ static void half_panel(const float *x, int64_t x_stride, int64_t M, const float 
  * stride x_stride) @ W^T, W packed by fp_pack: one thread's run (the decode stack hands
  * runs out). */
 void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed, int64_t K,
-               float *y, int64_t y_stride, int64_t p0, int64_t p1)
+               float *y, int64_t y_stride, int64_t p0, int64_t p1, int64_t panels)
 {
 #ifdef __AVX512F__
+    (void)panels;
     for (int64_t p = p0; p < p1; p++) {
         const float *panel = packed + p * K * PANEL;
         int64_t m = 0;
@@ -181,13 +195,22 @@ void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed,
                       y_stride, (int)(M - m), m == 0);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    for (int64_t p = p0; p < p1; p++)
-        for (int h = 0; h < PANEL; h += 16)
-            half_panel(x, x_stride, M, packed + p * K * PANEL + h, K, y + p * PANEL + h,
-                       y_stride);
+    /* The first pass over a panel streams it from memory (with its other half: the L2
+     * takes lines in pairs); the later passes find it in L2 and are bound by the FMAs. They
+     * ask for the next panel (K * 128 bytes, 2K lines) a slice each, so its stream overlaps
+     * this panel's arithmetic instead of following it. */
+    const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS, later = 2 * blocks - 1;
+    const int64_t pf_lines = (2 * K + later - 1) / later;
+    for (int64_t p = p0; p < p1; p++) {
+        const char *next = p + 1 < panels ? (const char *)(packed + (p + 1) * K * PANEL) : NULL;
+        const float *panel = packed + p * K * PANEL;
+        half_panel(x, x_stride, M, panel, K, y + p * PANEL, y_stride, next, pf_lines, 1);
+        half_panel(x, x_stride, M, panel + 16, K, y + p * PANEL + 16, y_stride,
+                   next ? next + 64 * pf_lines * (blocks - 1) : NULL, pf_lines, 0);
+    }
 #else
     (void)x, (void)x_stride, (void)M, (void)packed, (void)K, (void)y, (void)y_stride, (void)p0,
-        (void)p1;
+        (void)p1, (void)panels;
 #endif
 }
 
@@ -203,7 +226,7 @@ int fp_linear(const float *x, int64_t x_stride, int64_t M, const float *packed, 
     {
         int64_t p0, p1;
         team_share(panels, &p0, &p1);
-        fp_blocks(x, x_stride, M, packed, K, y, N, p0, p1);
+        fp_blocks(x, x_stride, M, packed, K, y, N, p0, p1, panels);
     }
     return 0;
 }
