@@ -118,7 +118,7 @@ void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed,
 int fp_available(void);
 #define FP_PANEL 32 /* columns per float32 panel (f32_panels.c's PANEL) */
 int bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
-              int64_t K, uint16_t *y, int64_t y_stride, int64_t p0, int64_t p1);
+              int64_t K, uint16_t *y, int64_t y_stride, int64_t p0, int64_t p1, int64_t panels);
 int bp_reserve(int64_t K);
 int bp_available(void);
 #define BP_PANEL 32 /* columns per bfloat16 panel (bf16_panels.c's PANEL) */
@@ -257,7 +257,7 @@ static void packed_share(const struct team *tm, int64_t step, const char *x, int
     if (dt == DT_BF16) {
         for (int64_t p0, p1; take(tm, step, N / BP_PANEL, 1, &p0, &p1);)
             if (bp_blocks((const uint16_t *)x, x_stride, M, packed, K, (uint16_t *)y, N, p0,
-                          p1)) { /* no memory: reserved up front, so not expected */
+                          p1, N / BP_PANEL)) { /* no memory: reserved up front, so not expected */
                 __atomic_store_n(rc, -1, __ATOMIC_RELAXED);
                 return;
             }

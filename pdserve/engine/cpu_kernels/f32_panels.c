@@ -116,23 +116,16 @@ static void rest_rows(const float *x, int64_t x_stride, const float *panel, int6
 #define HALF_ROWS 6
 
 INLINE void half_rows(const float *x, int64_t x_stride, const float *half, int64_t K, float *y,
-                      int64_t y_stride, const int R, const char *pf, int64_t pf_lines)
+                      int64_t y_stride, const int R, struct panel_prefetch pf)
 {
     __m256 lo[HALF_ROWS], hi[HALF_ROWS];
     for (int r = 0; r < R; r++) {
         lo[r] = _mm256_setzero_ps();
         hi[r] = _mm256_setzero_ps();
     }
-    /* the slice's lines spread evenly over the pass (two a k where it has more than K) */
-    const int64_t every = pf && pf_lines < K ? K / pf_lines : 1;
-    int64_t line = 0, due = 0;
+    struct prefetch_cursor cur = {0, 0};
     for (int64_t k = 0; k < K; k++) {
-        if (pf && k == due && line < pf_lines) {
-            _mm_prefetch(pf + 64 * line++, _MM_HINT_T0);
-            if (pf_lines > K + k)
-                _mm_prefetch(pf + 64 * (K + k), _MM_HINT_T0);
-            due += every;
-        }
+        panel_prefetch_step(pf, k, K, &cur);
         const __m256 w0 = _mm256_loadu_ps(half + k * PANEL);
         const __m256 w1 = _mm256_loadu_ps(half + k * PANEL + 8);
         for (int r = 0; r < R; r++) {
@@ -148,24 +141,26 @@ INLINE void half_rows(const float *x, int64_t x_stride, const float *half, int64
 }
 
 /* Every row of x over one half panel, in blocks as even as HALF_ROWS allows (16 rows as
- * 6 + 5 + 5, not 6 + 6 + 4); R a constant in each call, so the loops unroll. pf: NULL, or
- * the next panel, asked for a slice of `pf_lines` lines a block from `first` on. */
+ * 6 + 5 + 5, not 6 + 6 + 4); R a constant in each call, so the loops unroll. Block b is
+ * the panel's pass `pass0 + b`: the first pass (-1) streams the panel and asks for
+ * nothing, each later one a slice of the next panel (next: NULL for none). */
 static void half_panel(const float *x, int64_t x_stride, int64_t M, const float *half,
-                       int64_t K, float *y, int64_t y_stride, const char *pf, int64_t pf_lines,
-                       int first)
+                       int64_t K, float *y, int64_t y_stride, const float *next, int64_t pass0)
 {
     const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS;
     for (int64_t b = 0, m = 0; b < blocks; b++) {
         const int64_t R = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
         const float *xr = x + m * x_stride;
         float *yr = y + m * y_stride;
-        const char *slice = pf && b >= first ? pf + 64 * pf_lines * (b - first) : NULL;
+        const int64_t pass = pass0 + b;
+        const struct panel_prefetch pf = panel_prefetch_slice(
+            pass >= 0 ? next : NULL, 2 * K, 2 * blocks - 1, pass, K);
         switch (R) {
 #define CASE(n)                                                                               \
-    case n: half_rows(xr, x_stride, half, K, yr, y_stride, n, slice, pf_lines); break;
+    case n: half_rows(xr, x_stride, half, K, yr, y_stride, n, pf); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5)
 #undef CASE
-        default: half_rows(xr, x_stride, half, K, yr, y_stride, HALF_ROWS, slice, pf_lines); break;
+        default: half_rows(xr, x_stride, half, K, yr, y_stride, HALF_ROWS, pf); break;
         }
         m += R;
     }
@@ -195,18 +190,15 @@ void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed,
                       y_stride, (int)(M - m), m == 0);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    /* The first pass over a panel streams it from memory (with its other half: the L2
-     * takes lines in pairs); the later passes find it in L2 and are bound by the FMAs. They
-     * ask for the next panel (K * 128 bytes, 2K lines) a slice each, so its stream overlaps
-     * this panel's arithmetic instead of following it. */
-    const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS, later = 2 * blocks - 1;
-    const int64_t pf_lines = (2 * K + later - 1) / later;
+    /* a panel's passes: half 0's row blocks, then half 1's (the L2 brings both halves'
+     * lines on the first: it takes lines in pairs) */
+    const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS;
     for (int64_t p = p0; p < p1; p++) {
-        const char *next = p + 1 < panels ? (const char *)(packed + (p + 1) * K * PANEL) : NULL;
         const float *panel = packed + p * K * PANEL;
-        half_panel(x, x_stride, M, panel, K, y + p * PANEL, y_stride, next, pf_lines, 1);
-        half_panel(x, x_stride, M, panel + 16, K, y + p * PANEL + 16, y_stride,
-                   next ? next + 64 * pf_lines * (blocks - 1) : NULL, pf_lines, 0);
+        const float *next = p + 1 < panels ? panel + K * PANEL : NULL;
+        half_panel(x, x_stride, M, panel, K, y + p * PANEL, y_stride, next, -1);
+        half_panel(x, x_stride, M, panel + 16, K, y + p * PANEL + 16, y_stride, next,
+                   blocks - 1);
     }
 #else
     (void)x, (void)x_stride, (void)M, (void)packed, (void)K, (void)y, (void)y_stride, (void)p0,
