@@ -194,17 +194,18 @@ INLINE void half_rows(const float *xf, const uint16_t *half, int64_t K, uint16_t
 }
 
 /* Every widened row over one half panel, in blocks as even as HALF_ROWS allows; R a
- * constant in each call, so the loops unroll. Block b is the panel's pass `pass0 + b`, and
- * asks for a slice of the next panel (NULL: none) as f32_panels.c's do (common.h). */
+ * constant in each call, so the loops unroll. Half h's row blocks are the panel's passes
+ * after half 0's, and ask for slices of the next panel (NULL: none) as f32_panels.c's do
+ * (common.h). */
 static void half_panel(const float *xf, int64_t M, const uint16_t *half, int64_t K,
-                       uint16_t *y, int64_t y_stride, const uint16_t *next, int64_t pass0)
+                       uint16_t *y, int64_t y_stride, const uint16_t *next, int h)
 {
     const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS;
     for (int64_t b = 0, m = 0; b < blocks; b++) {
         const int64_t R = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
         const float *xr = xf + m * K;
         uint16_t *yr = y + m * y_stride;
-        const int64_t pass = pass0 + b;
+        const int64_t pass = h * blocks + b - 1; /* -1: the streaming one */
         const struct panel_prefetch pf =
             panel_prefetch_slice(pass >= 0 ? next : NULL, K, 2 * blocks - 1, pass, K / 2);
         switch (R) {
@@ -253,15 +254,12 @@ int bp_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *pa
         for (int64_t r = 0; r < c; r++)
             for (int64_t k = 0; k < K; k++)
                 xf[r * K + k] = bf16_to_f32(x[(m0 + r) * x_stride + k]);
-        const int64_t blocks = (c + HALF_ROWS - 1) / HALF_ROWS;
         for (int64_t p = p0; p < p1; p++) {
             const uint16_t *panel = packed + p * K * PANEL;
             const uint16_t *next = p + 1 < panels ? panel + K * PANEL : NULL;
-            /* a half is 32 elements into a k pair's row; the second's passes follow the
-             * first's */
-            half_panel(xf, c, panel, K, y + m0 * y_stride + p * PANEL, y_stride, next, -1);
-            half_panel(xf, c, panel + 32, K, y + m0 * y_stride + p * PANEL + 16, y_stride,
-                       next, blocks - 1);
+            for (int h = 0; h < 2; h++) /* a half is 32 elements into a k pair's row */
+                half_panel(xf, c, panel + 32 * h, K, y + m0 * y_stride + p * PANEL + 16 * h,
+                           y_stride, next, h);
         }
     }
 #else

@@ -141,25 +141,26 @@ INLINE void half_rows(const float *x, int64_t x_stride, const float *half, int64
 }
 
 /* Every row of x over one half panel, in blocks as even as HALF_ROWS allows (16 rows as
- * 6 + 5 + 5, not 6 + 6 + 4); R a constant in each call, so the loops unroll. Block b is
- * the panel's pass `pass0 + b`: the first pass (-1) streams the panel and asks for
- * nothing, each later one a slice of the next panel (next: NULL for none). */
+ * 6 + 5 + 5, not 6 + 6 + 4); R a constant in each call, so the loops unroll. Half h's
+ * row blocks are the panel's passes after half 0's: the very first streams the panel and
+ * asks for nothing, each later one a slice of the next panel (next: NULL for none). */
 static void half_panel(const float *x, int64_t x_stride, int64_t M, const float *half,
-                       int64_t K, float *y, int64_t y_stride, const float *next, int64_t pass0)
+                       int64_t K, float *y, int64_t y_stride, const float *next, int h)
 {
     const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS;
     for (int64_t b = 0, m = 0; b < blocks; b++) {
         const int64_t R = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
         const float *xr = x + m * x_stride;
         float *yr = y + m * y_stride;
-        const int64_t pass = pass0 + b;
+        const int64_t pass = h * blocks + b - 1; /* -1: the streaming one */
         const struct panel_prefetch pf = panel_prefetch_slice(
             pass >= 0 ? next : NULL, 2 * K, 2 * blocks - 1, pass, K);
         switch (R) {
-#define CASE(n)                                                                               \
-    case n: half_rows(xr, x_stride, half, K, yr, y_stride, n, pf); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5)
-#undef CASE
+        case 1: half_rows(xr, x_stride, half, K, yr, y_stride, 1, pf); break;
+        case 2: half_rows(xr, x_stride, half, K, yr, y_stride, 2, pf); break;
+        case 3: half_rows(xr, x_stride, half, K, yr, y_stride, 3, pf); break;
+        case 4: half_rows(xr, x_stride, half, K, yr, y_stride, 4, pf); break;
+        case 5: half_rows(xr, x_stride, half, K, yr, y_stride, 5, pf); break;
         default: half_rows(xr, x_stride, half, K, yr, y_stride, HALF_ROWS, pf); break;
         }
         m += R;
@@ -192,13 +193,12 @@ void fp_blocks(const float *x, int64_t x_stride, int64_t M, const float *packed,
 #elif defined(__AVX2__) && defined(__FMA__)
     /* a panel's passes: half 0's row blocks, then half 1's (the L2 brings both halves'
      * lines on the first: it takes lines in pairs) */
-    const int64_t blocks = (M + HALF_ROWS - 1) / HALF_ROWS;
     for (int64_t p = p0; p < p1; p++) {
         const float *panel = packed + p * K * PANEL;
         const float *next = p + 1 < panels ? panel + K * PANEL : NULL;
-        half_panel(x, x_stride, M, panel, K, y + p * PANEL, y_stride, next, -1);
-        half_panel(x, x_stride, M, panel + 16, K, y + p * PANEL + 16, y_stride, next,
-                   blocks - 1);
+        for (int h = 0; h < 2; h++)
+            half_panel(x, x_stride, M, panel + 16 * h, K, y + p * PANEL + 16 * h, y_stride,
+                       next, h);
     }
 #else
     (void)x, (void)x_stride, (void)M, (void)packed, (void)K, (void)y, (void)y_stride, (void)p0,
