@@ -24,8 +24,9 @@
  * (products of two bf16 are exact in float32, sums are float32), the scale applied to the
  * sums; the softmax weights and p.v stay float32.
  *
- * On AVX2 (head_dim 64 or 128) the same tiles take eight keys' dot products at once and
- * sum their lanes together (reduce8), and a bfloat16 row is widened in order.
+ * On AVX2 (head_dim 64 or 128) the same tiles score two or three query heads against four
+ * keys at once, each K vector loaded once for those heads (a lone head: eight keys at once),
+ * and sum the keys' lanes together (reduce4, reduce8); a bfloat16 row is widened in order.
  */
 #include <math.h>
 #include <stddef.h>
@@ -468,6 +469,63 @@ INLINE void score_tile_avx2(const float *qf, const void *const *krows, int nt, i
     }
 }
 
+/* Lane j of the result = the sum of p[j]'s 8 lanes, for four vectors. */
+INLINE __m128 reduce4(const __m256 *p)
+{
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* NH (2 or 3) query heads' scores at once, four keys at a time: each K vector is loaded once
+ * for the NH heads' FMAs (4 * NH chains), where the eight-key form above loads it once per
+ * head. A short last group repeats its first row, as there. */
+INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, const int NH,
+                             const int NV, const int dt, float *s, ptrdiff_t pf)
+{
+    const int vbytes = dt == DT_F32 ? 32 : 16;
+    for (int c = 0; c < nt; c += 4) {
+        const int n = nt - c < 4 ? nt - c : 4;
+        const void *kr[4];
+        for (int j = 0; j < 4; j++)
+            kr[j] = krows[c + (j < n ? j : 0)];
+        __m256 p[3][4];
+        for (int h = 0; h < NH; h++)
+            for (int j = 0; j < 4; j++)
+                p[h][j] = _mm256_setzero_ps();
+        for (int v = 0; v < NV; v++)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                prefetch_at(kr[j], pf, v * vbytes);
+                const __m256 k = load8v(kr[j], v * 8, dt);
+                for (int h = 0; h < NH; h++)
+                    p[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (h * NV + v) * 8), k, p[h][j]);
+            }
+        for (int h = 0; h < NH; h++)
+            _mm_storeu_ps(s + h * TILE + c, reduce4(p[h])); /* c + 4 <= TILE */
+    }
+}
+
+/* The G heads' scores: three or two heads a pass (threes where G allows, else one three and
+ * then twos), the next block's lines asked for in the first pass only. One head alone takes
+ * the eight-key form: four chains would wait on the FMA's latency. */
+INLINE void score_tile_grouped_avx2(const float *qf, const void *const *krows, int nt, int G,
+                                    const int NV, const int dt, float *s, ptrdiff_t pf)
+{
+    if (G == 1) {
+        score_tile_avx2(qf, krows, nt, 1, NV, dt, s, pf);
+        return;
+    }
+    for (int g = 0; g < G;) {
+        const int nh = G % 3 == 0 || (G % 2 && g == 0) ? 3 : 2;
+        const float *qg = qf + g * NV * 8;
+        if (nh == 3)
+            score_heads_avx2(qg, krows, nt, 3, NV, dt, s + g * TILE, g ? 0 : pf);
+        else
+            score_heads_avx2(qg, krows, nt, 2, NV, dt, s + g * TILE, g ? 0 : pf);
+        g += nh;
+    }
+}
+
 /* NH heads' DC vectors of D at a time held in registers (NH * DC <= 12, the rest for the
  * weights and a row's vector), so each V vector is loaded once for the NH heads. */
 INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *vrows, int nt,
@@ -641,7 +699,7 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
                 } else
 #elif defined(AVX2_STEPS)
                 if (NV) {
-                    score_tile_avx2(qh, krows, nt, G, NV, dt, s, pf);
+                    score_tile_grouped_avx2(qh, krows, nt, G, NV, dt, s, pf);
                     softmax_tile(s, nt, G, first, mh, lh, ch);
                     accum_tile_avx2(ah, ch, vrows, nt, G, NV, dt, s, pf);
                 } else
