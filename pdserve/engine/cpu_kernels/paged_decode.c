@@ -435,14 +435,15 @@ INLINE __m256 reduce8(const __m256 *p)
                          _mm256_permute2f128_ps(w[0], w[1], 0x31));
 }
 
-/* Eight keys at a time, one accumulator each, q's vector loaded once for the eight (q does
- * not fit the 16 registers beside them at D = 128). A short last group repeats its first
- * row, and the repeats' scores are never read. The next block's lines are asked for one at
- * a time between the loads that use this block's (here and in accum_heads_avx2): asked for
- * a row at a time, as the AVX-512 steps do, the K/V reads overlapped the arithmetic less,
- * and one sequence of 3,000 tokens took 0.48 ms a layer on a Zen 3 against 0.38. */
-INLINE void score_tile_avx2(const float *qf, const void *const *krows, int nt, int G,
-                            const int NV, const int dt, float *s, ptrdiff_t pf)
+/* One query head's scores, eight keys at a time, one accumulator each, q's vector loaded
+ * once for the eight (q does not fit the 16 registers beside them at D = 128). A short last
+ * group repeats its first row, and the repeats' scores are never read. The next block's
+ * lines are asked for one at a time between the loads that use this block's (here, in
+ * score_heads_avx2 and in accum_heads_avx2): asked for a row at a time, as the AVX-512
+ * steps do, the K/V reads overlapped the arithmetic less, and one sequence of 3,000 tokens
+ * took 0.48 ms a layer on a Zen 3 against 0.38. */
+INLINE void score_head_avx2(const float *q, const void *const *krows, int nt, const int NV,
+                            const int dt, float *s, ptrdiff_t pf)
 {
     const int vbytes = dt == DT_F32 ? 32 : 16; /* one vector's share of a row */
     for (int c = 0; c < nt; c += 8) {
@@ -450,22 +451,18 @@ INLINE void score_tile_avx2(const float *qf, const void *const *krows, int nt, i
         const void *kr[8];
         for (int j = 0; j < 8; j++)
             kr[j] = krows[c + (j < n ? j : 0)];
-        for (int g = 0; g < G; g++) {
-            const float *qg = qf + g * NV * 8;
-            __m256 p[8];
-            for (int j = 0; j < 8; j++)
-                p[j] = _mm256_setzero_ps();
-            for (int v = 0; v < NV; v++) {
-                const __m256 qv = _mm256_loadu_ps(qg + v * 8);
+        __m256 p[8];
+        for (int j = 0; j < 8; j++)
+            p[j] = _mm256_setzero_ps();
+        for (int v = 0; v < NV; v++) {
+            const __m256 qv = _mm256_loadu_ps(q + v * 8);
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    if (g == 0)
-                        prefetch_at(kr[j], pf, v * vbytes);
-                    p[j] = _mm256_fmadd_ps(qv, load8v(kr[j], v * 8, dt), p[j]);
-                }
+            for (int j = 0; j < 8; j++) {
+                prefetch_at(kr[j], pf, v * vbytes);
+                p[j] = _mm256_fmadd_ps(qv, load8v(kr[j], v * 8, dt), p[j]);
             }
-            _mm256_storeu_ps(s + g * TILE + c, reduce8(p)); /* c + 8 <= TILE */
         }
+        _mm256_storeu_ps(s + c, reduce8(p)); /* c + 8 <= TILE */
     }
 }
 
@@ -477,8 +474,8 @@ INLINE __m128 reduce4(const __m256 *p)
 }
 
 /* NH (2 or 3) query heads' scores at once, four keys at a time: each K vector is loaded once
- * for the NH heads' FMAs (4 * NH chains), where the eight-key form above loads it once per
- * head. A short last group repeats its first row, as there. */
+ * for the NH heads' FMAs (4 * NH chains), where scoring one head at a time (above) loads
+ * it once per head. A short last group repeats its first row, as there. */
 INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, const int NH,
                              const int NV, const int dt, float *s, ptrdiff_t pf)
 {
@@ -506,13 +503,13 @@ INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, 
 }
 
 /* The G heads' scores: three or two heads a pass (threes where G allows, else one three and
- * then twos), the next block's lines asked for in the first pass only. One head alone takes
- * the eight-key form: four chains would wait on the FMA's latency. */
+ * then twos), the next block's lines asked for in the first pass only. A lone head takes
+ * eight keys at a time: four chains would wait on the FMA's latency. */
 INLINE void score_tile_grouped_avx2(const float *qf, const void *const *krows, int nt, int G,
                                     const int NV, const int dt, float *s, ptrdiff_t pf)
 {
     if (G == 1) {
-        score_tile_avx2(qf, krows, nt, 1, NV, dt, s, pf);
+        score_head_avx2(qf, krows, nt, NV, dt, s, pf);
         return;
     }
     for (int g = 0; g < G;) {
