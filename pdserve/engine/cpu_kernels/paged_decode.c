@@ -27,6 +27,7 @@
  * On AVX2 (head_dim 64 or 128) the same tiles score two or three query heads against four
  * keys at once, each K vector loaded once for those heads (a lone head: eight keys at once),
  * and sum the keys' lanes together (reduce4, reduce8); a bfloat16 row is widened in order.
+ * They ask for the next block's lines in address order (struct ahead).
  */
 #include <math.h>
 #include <stddef.h>
@@ -411,12 +412,46 @@ INLINE __m256 load8v(const void *row, int i, const int dt)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* Asks for the line at byte off of row's counterpart pf bytes on, when a line starts
- * there (pf = 0: no next block). */
-INLINE void prefetch_at(const void *row, ptrdiff_t pf, int off)
+/* The next block's K and V lines, asked for one at a time in address order wherever this
+ * block's reads ask (ahead_step), where the AVX-512 steps ask for each read line's
+ * counterpart (prefetch_row): in that order, head by head and the values in halves, the
+ * AVX2 steps read the cache from DRAM at 16-17 GB/s, in address order at 21-25. Whole rows
+ * (an item with every KV head) alternate K's lines and V's; an item with some heads asks
+ * for all its K lines, then its V lines, which measured faster there (the kernel alone on
+ * SmolLM2's heads on a Zen 3, each order against the others, docs/benchmarks.md section 6,
+ * session 32). */
+struct ahead {
+    const char *kv[2]; /* the next block's first row of this item's heads in K, in V */
+    size_t stride;     /* bytes from one token's row to the next */
+    int next, lines;   /* the next line asked for, of 2 * lines (K's and V's) */
+    int whole;         /* whole rows, one run of lines each: K's and V's alternate */
+    int shift;         /* else one head's part of a row, 1 << shift lines (D 64 or 128) */
+};
+
+/* The next block of this item: its first row in K and V (k NULL: none), rows of row_bytes
+ * each, stride bytes apart (whole rows when row_bytes == stride). */
+INLINE void ahead_start(struct ahead *nx, const char *k, const char *v, size_t stride,
+                        int row_bytes, int rows)
 {
-    if (pf && off % 64 == 0)
-        __builtin_prefetch((const char *)row + pf + off, 0, 2);
+    *nx = (struct ahead){{k, v}, stride, 0, k ? rows * row_bytes / 64 : 0,
+                         (size_t)row_bytes == stride, __builtin_ctz((unsigned)row_bytes / 64)};
+}
+
+/* One line more of the next block, where a line of this block's row starts at byte off
+ * (nx NULL: this pass asks for none). */
+INLINE void ahead_step(struct ahead *nx, int off)
+{
+    if (!nx || off % 64 || nx->next >= 2 * nx->lines)
+        return;
+    const int i = nx->next++;
+    if (nx->whole) {
+        __builtin_prefetch(nx->kv[i & 1] + 64 * (size_t)(i >> 1), 0, 2);
+    } else {
+        const int on_v = i >= nx->lines, j = on_v ? i - nx->lines : i;
+        __builtin_prefetch(nx->kv[on_v] + (size_t)(j >> nx->shift) * nx->stride +
+                               64 * (size_t)(j & ((1 << nx->shift) - 1)),
+                           0, 2);
+    }
 }
 
 /* Lane j of the result = the sum of p[j]'s 8 lanes (reduce16's scheme at half width). */
@@ -443,7 +478,7 @@ INLINE __m256 reduce8(const __m256 *p)
  * steps do, the K/V reads overlapped the arithmetic less, and one sequence of 3,000 tokens
  * took 0.48 ms a layer on a Zen 3 against 0.38. */
 INLINE void score_head_avx2(const float *q, const void *const *krows, int nt, const int NV,
-                            const int dt, float *s, ptrdiff_t pf)
+                            const int dt, float *s, struct ahead *nx)
 {
     const int vbytes = dt == DT_F32 ? 32 : 16; /* one vector's share of a row */
     for (int c = 0; c < nt; c += 8) {
@@ -458,7 +493,7 @@ INLINE void score_head_avx2(const float *q, const void *const *krows, int nt, co
             const __m256 qv = _mm256_loadu_ps(q + v * 8);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                prefetch_at(kr[j], pf, v * vbytes);
+                ahead_step(nx, v * vbytes);
                 p[j] = _mm256_fmadd_ps(qv, load8v(kr[j], v * 8, dt), p[j]);
             }
         }
@@ -477,7 +512,7 @@ INLINE __m128 reduce4(const __m256 *p)
  * for the NH heads' FMAs (4 * NH chains), where scoring one head at a time (above) loads
  * it once per head. A short last group repeats its first row, as there. */
 INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, const int NH,
-                             const int NV, const int dt, float *s, ptrdiff_t pf)
+                             const int NV, const int dt, float *s, struct ahead *nx)
 {
     const int vbytes = dt == DT_F32 ? 32 : 16;
     for (int c = 0; c < nt; c += 4) {
@@ -492,7 +527,7 @@ INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, 
         for (int v = 0; v < NV; v++)
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                prefetch_at(kr[j], pf, v * vbytes);
+                ahead_step(nx, v * vbytes);
                 const __m256 k = load8v(kr[j], v * 8, dt);
                 for (int h = 0; h < NH; h++)
                     p[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (h * NV + v) * 8), k, p[h][j]);
@@ -506,19 +541,19 @@ INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, 
  * then twos), the next block's lines asked for in the first pass only. A lone head takes
  * eight keys at a time: four chains would wait on the FMA's latency. */
 INLINE void score_tile_grouped_avx2(const float *qf, const void *const *krows, int nt, int G,
-                                    const int NV, const int dt, float *s, ptrdiff_t pf)
+                                    const int NV, const int dt, float *s, struct ahead *nx)
 {
     if (G == 1) {
-        score_head_avx2(qf, krows, nt, NV, dt, s, pf);
+        score_head_avx2(qf, krows, nt, NV, dt, s, nx);
         return;
     }
     for (int g = 0; g < G;) {
         const int nh = G % 3 == 0 || (G % 2 && g == 0) ? 3 : 2;
         const float *qg = qf + g * NV * 8;
         if (nh == 3)
-            score_heads_avx2(qg, krows, nt, 3, NV, dt, s + g * TILE, g ? 0 : pf);
+            score_heads_avx2(qg, krows, nt, 3, NV, dt, s + g * TILE, g ? NULL : nx);
         else
-            score_heads_avx2(qg, krows, nt, 2, NV, dt, s + g * TILE, g ? 0 : pf);
+            score_heads_avx2(qg, krows, nt, 2, NV, dt, s + g * TILE, g ? NULL : nx);
         g += nh;
     }
 }
@@ -527,7 +562,7 @@ INLINE void score_tile_grouped_avx2(const float *qf, const void *const *krows, i
  * weights and a row's vector), so each V vector is loaded once for the NH heads. */
 INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *vrows, int nt,
                              const int NH, const int NV, const int DC, const int dt,
-                             const float *s, ptrdiff_t pf)
+                             const float *s, struct ahead *nx)
 {
     const int D = 8 * NV, vbytes = dt == DT_F32 ? 32 : 16;
     for (int v0 = 0; v0 < NV; v0 += DC) {
@@ -542,7 +577,7 @@ INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *v
             for (int h = 0; h < NH; h++)
                 p[h] = _mm256_broadcast_ss(s + h * TILE + t);
             for (int i = 0; i < DC; i++) {
-                prefetch_at(vrows[t], pf, (v0 + i) * vbytes);
+                ahead_step(nx, (v0 + i) * vbytes);
                 const __m256 x = load8v(vrows[t], (v0 + i) * 8, dt);
                 for (int h = 0; h < NH; h++)
                     a[h * DC + i] = _mm256_fmadd_ps(p[h], x, a[h * DC + i]);
@@ -557,13 +592,13 @@ INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *v
 /* The G heads three at a time (12 accumulators of four vectors each); a lone head takes
  * eight vectors, so eight FMA chains still hide the FMA's latency. */
 INLINE void accum_tile_avx2(float *acc, const float *corr, const void *const *vrows, int nt,
-                            int G, const int NV, const int dt, const float *s, ptrdiff_t pf)
+                            int G, const int NV, const int dt, const float *s, struct ahead *nx)
 {
     for (int g = 0; g < G;) {
         const int nh = G - g < 3 ? G - g : 3;
         float *ag = acc + g * NV * 8;
         const float *cg = corr + g, *sg = s + g * TILE;
-        const ptrdiff_t p = g ? 0 : pf;
+        struct ahead *p = g ? NULL : nx;
         if (nh == 3)
             accum_heads_avx2(ag, cg, vrows, nt, 3, NV, 4, dt, sg, p);
         else if (nh == 2)
@@ -667,6 +702,13 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
                 ? (ptrdiff_t)((((size_t)table[start / bs + 1] * bs) * Hkv + h0) * D * esize) -
                       (ptrdiff_t)off
                 : 0;
+#ifdef AVX2_STEPS
+        /* the AVX2 steps ask for the next block in address order (struct ahead) */
+        struct ahead nx;
+        ahead_start(&nx, pf ? (const char *)a->k + off + pf : NULL,
+                    (const char *)a->v + off + pf, row_stride, (int)(HG * D * esize),
+                    len - start - bs < bs ? len - start - bs : bs);
+#endif
         for (int t0 = 0; t0 < n; t0 += TILE) {
             const int nt = n - t0 < TILE ? n - t0 : TILE;
             for (int hl = 0; hl < HG; hl++) {
@@ -696,9 +738,9 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
                 } else
 #elif defined(AVX2_STEPS)
                 if (NV) {
-                    score_tile_grouped_avx2(qh, krows, nt, G, NV, dt, s, pf);
+                    score_tile_grouped_avx2(qh, krows, nt, G, NV, dt, s, &nx);
                     softmax_tile(s, nt, G, first, mh, lh, ch);
-                    accum_tile_avx2(ah, ch, vrows, nt, G, NV, dt, s, pf);
+                    accum_tile_avx2(ah, ch, vrows, nt, G, NV, dt, s, &nx);
                 } else
 #endif
                 {
