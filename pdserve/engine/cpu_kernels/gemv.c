@@ -178,7 +178,10 @@ DEFINE_DOT_BF16(8, 1)
  * gain from one 1-2 KiB ahead (BF16_PREFETCH_AHEAD; docs/benchmarks.md section 6,
  * session 18). */
 /* As the AVX-512 DEFINE_DOT, for float32 weights (bfloat16 ones take DEFINE_DOT_BF16_SPLIT's
- * below): NB rows of x, U chains each; the last K % 8 in scalar code. */
+ * below): NB rows of x, U chains each; the last K % 8 in scalar code. Two chains a row at
+ * three and four rows, where AVX-512 keeps one: the GGUF blocks' GEMV (q4_blocks.c) sums
+ * in this order, and at one chain a row it waited on the FMA's latency there (its block of
+ * 32 weights is four dependent FMAs a chain; q4_blocks.c). */
 #define DEFINE_DOT8(NB, U)                                                                    \
     static void dot_row_##NB(const void *w_, const float *x, int64_t K, int dt, float *out)  \
     {                                                                                         \
@@ -211,8 +214,8 @@ DEFINE_DOT_BF16(8, 1)
     }
 DEFINE_DOT8(1, 4)
 DEFINE_DOT8(2, 2)
-DEFINE_DOT8(3, 1)
-DEFINE_DOT8(4, 1)
+DEFINE_DOT8(3, 2)
+DEFINE_DOT8(4, 2)
 DEFINE_DOT8(5, 1)
 DEFINE_DOT8(6, 1)
 DEFINE_DOT8(7, 1)

@@ -114,7 +114,8 @@ int64_t blocks_row_bytes(int64_t K, int fmt)
 }
 
 /* The vector forms' functions for 1-8 rows of x, U accumulators a row as the row GEMV has
- * them (gemv.c): 4 at one row, 2 at two, 1 from three on. 5-8 rows (past the row GEMV's,
+ * them (gemv.c): 4 at one row, 2 at two, 1 from three on (the AVX2 forms' own list below:
+ * 2 to four rows). 5-8 rows (past the row GEMV's,
  * where a model without blocks runs its packed panels) keep one a row, so that a pass of up
  * to 8 rows de-quantizes each block once. */
 #define FOR_ROW_COUNTS(DEFINE, NAME, WEIGHTS, BYTES)                                          \
@@ -300,10 +301,10 @@ static void row_dot(const uint8_t *row, int64_t row_bytes, int pair, int fmt, co
 
 #ifdef BLOCKS_AVX2
 /* AVX2 (AMD's Zen 2 and 3, Intel before AVX-512): float32 only, summed in gemv.c's
- * DEFINE_DOT8 order (8 weights a step; U accumulators per row of x, 4 at one row, 2 at two,
- * else 1; step s into accumulator s % U; a block is 4 steps, so every group of U steps is
- * whole), the accumulators added by fold_vf8 as gemv.c adds them: a row's blocks give its
- * GEMV's result bit for bit (tests/test_gguf_blocks.py).
+ * DEFINE_DOT8 order (8 weights a step; U accumulators per row of x, 4 at one row, 2 at two
+ * to four, else 1; step s into accumulator s % U; a block is 4 steps, so every group of U
+ * steps is whole), the accumulators added by fold_vf8 as gemv.c adds them: a row's blocks
+ * give its GEMV's result bit for bit (tests/test_gguf_blocks.py).
  *
  * No table lookup here: vpermps takes 8 entries, a Q4_1 block has 16 values. Each weight is
  * its code widened to float32 and d * q + m in one FMA (exact as the loader's: d * q is
@@ -361,8 +362,22 @@ static inline void q80_weights8(const uint8_t *p, __m256 *w)
         for (int r = 0; r < NB; r++)                                                          \
             out[r] = fold_vf8(acc[r], U);                                                     \
     }
-FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT8, q41_dot8, q41_weights8, Q41_BYTES)
-FOR_ROW_COUNTS(DEFINE_BLOCKS_DOT8, q80_dot8, q80_weights8, Q80_BYTES)
+/* U as gemv.c's DEFINE_DOT8 has it: two at three and four rows too. At one accumulator a
+ * row, each block is four dependent FMAs a row (16 cycles of latency on a Zen 3): a whole
+ * model's blocks took 12.0-12.3 ms at 3 rows and 13.1-13.2 at 4, with two 9.6-9.8 and
+ * 11.3-11.7 (docs/bench/cpu-s31/blocks_ab.c, two Zen 3 cores). From five rows on there are
+ * chains enough, and two a row spill registers (6 rows: 1.08x). */
+#define FOR_ROW_COUNTS8(DEFINE, NAME, WEIGHTS, BYTES)                                         \
+    DEFINE(NAME, WEIGHTS, BYTES, 1, 4)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 2, 2)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 3, 2)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 4, 2)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 5, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 6, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 7, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 8, 1)
+FOR_ROW_COUNTS8(DEFINE_BLOCKS_DOT8, q41_dot8, q41_weights8, Q41_BYTES)
+FOR_ROW_COUNTS8(DEFINE_BLOCKS_DOT8, q80_dot8, q80_weights8, Q80_BYTES)
 
 static void row_dot8(const uint8_t *row, int fmt, const float *x, int64_t K, int nb,
                      float *out)
