@@ -195,8 +195,8 @@ INLINE void half_rows(const float *xf, const uint16_t *half, int64_t K, uint16_t
 
 /* Every widened row over one half panel, in blocks as even as HALF_ROWS allows; R a
  * constant in each call, so the loops unroll. Half h's row blocks are the panel's passes
- * after half 0's, and ask for slices of the next panel (NULL: none) as f32_panels.c's do
- * (common.h). */
+ * after half 0's, and every pass asks for a slice of the next panel (NULL: none) as
+ * f32_panels.c's do (common.h). */
 static void half_panel(const float *xf, int64_t M, const uint16_t *half, int64_t K,
                        uint16_t *y, int64_t y_stride, const uint16_t *next, int h)
 {
@@ -205,9 +205,8 @@ static void half_panel(const float *xf, int64_t M, const uint16_t *half, int64_t
         const int64_t R = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
         const float *xr = xf + m * K;
         uint16_t *yr = y + m * y_stride;
-        const int64_t pass = h * blocks + b - 1; /* -1: the streaming one */
         const struct panel_prefetch pf =
-            panel_prefetch_slice(pass >= 0 ? next : NULL, K, 2 * blocks - 1, pass, K / 2);
+            panel_prefetch_slice(next, K, 2 * blocks, h * blocks + b, K / 2);
         switch (R) {
         case 1: half_rows(xr, half, K, yr, y_stride, 1, pf); break;
         case 2: half_rows(xr, half, K, yr, y_stride, 2, pf); break;

@@ -61,18 +61,17 @@ static inline void team_share(int64_t units, int64_t *u0, int64_t *u1)
 }
 
 /* The panels' next-panel prefetch (f32_panels.c, bf16_panels.c): a panel's first pass over
- * its rows waits on memory and its later passes (from L2) on the FMAs, so each later pass
- * asks for a slice of the next panel's lines, spread evenly over its loop, and the next
- * panel's stream overlaps this one's arithmetic. A pass's slice: */
+ * its rows waits on memory and its later passes (from L2) on the FMAs, so each pass, the
+ * first too, asks for a slice of the next panel's lines, spread evenly over its loop, and
+ * the next panel's stream overlaps this one's arithmetic. A pass's slice: */
 struct panel_prefetch {
     const char *at; /* the slice's first line; NULL: nothing to ask for */
     int64_t lines;  /* lines in the slice */
     int64_t every;  /* iterations of the pass's loop per line asked for (at least 1) */
 };
 
-/* Pass `pass` (0 = the first later pass) of `passes` later ones over a panel, each a loop
- * of n iterations, whose next panel of `panel_lines` 64-byte lines is at `next` (NULL:
- * none). */
+/* Pass `pass` (from 0) of `passes` over a panel, each a loop of n iterations, whose next
+ * panel of `panel_lines` 64-byte lines is at `next` (NULL: none). */
 static inline struct panel_prefetch panel_prefetch_slice(const void *next, int64_t panel_lines,
                                                          int64_t passes, int64_t pass,
                                                          int64_t n)

@@ -107,12 +107,13 @@ static void rest_rows(const float *x, int64_t x_stride, const float *panel, int6
  * by up to HALF_ROWS rows, 12 accumulators; per k, 2 loads and 6 broadcasts feed 12 FMAs.
  * The same panels and the same chain per output over k in order as the AVX-512 kernel, so
  * both give the same bits. A panel's first pass waits on memory and its later passes on
- * the FMAs; those later passes ask for the next panel (fp_blocks), spread evenly, so the
- * two overlap. No hint within the streaming pass: on Zen 3 every hint fills L1, and the
- * GEMV's ahead of its own stream cost 1.08-1.17x (gemv.c). A whole model's projections on
- * two Zen 3 cores, alternated against no hints (docs/bench/cpu-s30/panels_ab.c): 0.70 at
- * 6 rows, 0.71 at 9, 0.78 at 16, 0.83 at 32, 0.99 at 64 (docs/benchmarks.md section 6,
- * session 30). */
+ * the FMAs; every pass asks for a slice of the next panel (fp_blocks), spread evenly, so
+ * the two overlap. No hint for the streaming pass's own panel: on Zen 3 every hint fills
+ * L1, and the GEMV's ahead of its own stream cost 1.08-1.17x (gemv.c). A whole model's
+ * projections on two Zen 3 cores, alternated against no hints (docs/bench/cpu-s30/
+ * panels_ab.c): 0.70 at 6 rows, 0.71 at 9, 0.78 at 16, 0.83 at 32, 0.99 at 64, with the
+ * later passes asking (session 30); the streaming pass asking too, against that: 0.85 at 6
+ * rows, 0.84 at 9, 0.98-1.01 from 16 on (docs/benchmarks.md section 6, session 32). */
 #define HALF_ROWS 6
 
 INLINE void half_rows(const float *x, int64_t x_stride, const float *half, int64_t K, float *y,
@@ -142,8 +143,8 @@ INLINE void half_rows(const float *x, int64_t x_stride, const float *half, int64
 
 /* Every row of x over one half panel, in blocks as even as HALF_ROWS allows (16 rows as
  * 6 + 5 + 5, not 6 + 6 + 4); R a constant in each call, so the loops unroll. Half h's
- * row blocks are the panel's passes after half 0's: the very first streams the panel and
- * asks for nothing, each later one a slice of the next panel (next: NULL for none). */
+ * row blocks are the panel's passes after half 0's: the very first streams the panel, and
+ * each, that one too, asks for a slice of the next panel (next: NULL for none). */
 static void half_panel(const float *x, int64_t x_stride, int64_t M, const float *half,
                        int64_t K, float *y, int64_t y_stride, const float *next, int h)
 {
@@ -152,9 +153,8 @@ static void half_panel(const float *x, int64_t x_stride, int64_t M, const float 
         const int64_t R = (M - m) / (blocks - b) + ((M - m) % (blocks - b) != 0);
         const float *xr = x + m * x_stride;
         float *yr = y + m * y_stride;
-        const int64_t pass = h * blocks + b - 1; /* -1: the streaming one */
-        const struct panel_prefetch pf = panel_prefetch_slice(
-            pass >= 0 ? next : NULL, 2 * K, 2 * blocks - 1, pass, K);
+        const struct panel_prefetch pf =
+            panel_prefetch_slice(next, 2 * K, 2 * blocks, h * blocks + b, K);
         switch (R) {
         case 1: half_rows(xr, x_stride, half, K, yr, y_stride, 1, pf); break;
         case 2: half_rows(xr, x_stride, half, K, yr, y_stride, 2, pf); break;
