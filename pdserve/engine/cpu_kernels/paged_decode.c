@@ -878,14 +878,31 @@ static int claim_items(const struct args *a, int *next, const struct redo *redo)
     return 0;
 }
 
-/* A work item takes all KV heads of a sequence (contiguous reads) unless that leaves too
- * few items to keep every thread busy; then one head each. */
+/* Whether a work item takes all KV heads of a sequence (whole rows: contiguous reads, and
+ * the AVX2 steps ask for the next block in address order) rather than one head: yes with
+ * four sequences a thread or more, and with fewer while the threads stay evenly loaded (no
+ * sequence longer than 1.25x an even share of all the tokens); one long sequence among
+ * short ones is split by heads. Whole rows against one head each, the kernel alone on
+ * SmolLM2's heads from DRAM on two Zen 3 cores: 0.66-0.86x at 2-7 sequences of 256-1,000
+ * tokens (docs/benchmarks.md section 6, session 32). */
+static int whole_rows(const int32_t *lens, int B, int num_threads)
+{
+    if (B >= 4 * num_threads)
+        return 1;
+    int64_t total = 0, longest = 0;
+    for (int b = 0; b < B; b++) {
+        total += lens[b];
+        longest = lens[b] > longest ? lens[b] : longest;
+    }
+    return 4 * longest * num_threads <= 5 * total;
+}
+
 static struct args make_args(const void *q, int64_t q_stride_b, const void *k, const void *v,
                              const int32_t *tables, int64_t bt_stride, const int32_t *lens,
                              void *out, int B, int Hq, int Hkv, int D, int block_size,
                              float scale, int q_dt, int kv_dt, int num_threads)
 {
-    const int hg = B >= 4 * num_threads ? Hkv : 1;
+    const int hg = whole_rows(lens, B, num_threads) ? Hkv : 1;
     const struct args a = {q, k, v, tables, lens, out, q_stride_b, bt_stride,
                            B, Hq, Hkv, D, block_size, q_dt, kv_dt, scale, hg};
     return a;
