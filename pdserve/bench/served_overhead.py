@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streams {n}: median served/engine TPOT "
               f"{statistics.median(r.ratio for r in mine):.3f} over {len(mine)} round(s)")
     if a.json:
+        # the run took minutes: a --json into a folder not made yet must not lose it
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
             json.dump([{**asdict(r), "ratio": r.ratio} for r in rows], f, indent=1)
     return 0
