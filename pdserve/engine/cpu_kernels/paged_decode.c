@@ -437,11 +437,25 @@ INLINE void ahead_start(struct ahead *nx, const char *k, const char *v, size_t s
                          (size_t)row_bytes == stride, __builtin_ctz((unsigned)row_bytes / 64)};
 }
 
-/* One line more of the next block, where a line of this block's row starts at byte off
- * (nx NULL: this pass asks for none). */
+/* A pass's own copy of the cursor (nx NULL: a pass that asks for none), which the compiler
+ * keeps in registers: stepped through the pointer, each line asked for read and wrote the
+ * struct in memory, and the steps cost more than the reads they overlap when the cache
+ * was in L3. ahead_put hands the position back. */
+INLINE struct ahead ahead_take(const struct ahead *nx)
+{
+    return nx ? *nx : (struct ahead){{NULL, NULL}, 0, 0, 0, 1, 0};
+}
+
+INLINE void ahead_put(struct ahead *nx, const struct ahead *a)
+{
+    if (nx)
+        nx->next = a->next;
+}
+
+/* One line more of the next block, where a line of this block's row starts at byte off. */
 INLINE void ahead_step(struct ahead *nx, int off)
 {
-    if (!nx || off % 64 || nx->next >= 2 * nx->lines)
+    if (off % 64 || nx->next >= 2 * nx->lines)
         return;
     const int i = nx->next++;
     if (nx->whole) {
@@ -481,6 +495,7 @@ INLINE void score_head_avx2(const float *q, const void *const *krows, int nt, co
                             const int dt, float *s, struct ahead *nx)
 {
     const int vbytes = dt == DT_F32 ? 32 : 16; /* one vector's share of a row */
+    struct ahead ah = ahead_take(nx);
     for (int c = 0; c < nt; c += 8) {
         const int n = nt - c < 8 ? nt - c : 8;
         const void *kr[8];
@@ -493,12 +508,13 @@ INLINE void score_head_avx2(const float *q, const void *const *krows, int nt, co
             const __m256 qv = _mm256_loadu_ps(q + v * 8);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                ahead_step(nx, v * vbytes);
+                ahead_step(&ah, v * vbytes);
                 p[j] = _mm256_fmadd_ps(qv, load8v(kr[j], v * 8, dt), p[j]);
             }
         }
         _mm256_storeu_ps(s + c, reduce8(p)); /* c + 8 <= TILE */
     }
+    ahead_put(nx, &ah);
 }
 
 /* Lane j of the result = the sum of p[j]'s 8 lanes, for four vectors. */
@@ -515,6 +531,7 @@ INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, 
                              const int NV, const int dt, float *s, struct ahead *nx)
 {
     const int vbytes = dt == DT_F32 ? 32 : 16;
+    struct ahead ah = ahead_take(nx);
     for (int c = 0; c < nt; c += 4) {
         const int n = nt - c < 4 ? nt - c : 4;
         const void *kr[4];
@@ -527,7 +544,7 @@ INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, 
         for (int v = 0; v < NV; v++)
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                ahead_step(nx, v * vbytes);
+                ahead_step(&ah, v * vbytes);
                 const __m256 k = load8v(kr[j], v * 8, dt);
                 for (int h = 0; h < NH; h++)
                     p[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (h * NV + v) * 8), k, p[h][j]);
@@ -535,6 +552,7 @@ INLINE void score_heads_avx2(const float *qf, const void *const *krows, int nt, 
         for (int h = 0; h < NH; h++)
             _mm_storeu_ps(s + h * TILE + c, reduce4(p[h])); /* c + 4 <= TILE */
     }
+    ahead_put(nx, &ah);
 }
 
 /* The G heads' scores: three or two heads a pass (threes where G allows, else one three and
@@ -565,6 +583,7 @@ INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *v
                              const float *s, struct ahead *nx)
 {
     const int D = 8 * NV, vbytes = dt == DT_F32 ? 32 : 16;
+    struct ahead ah = ahead_take(nx);
     for (int v0 = 0; v0 < NV; v0 += DC) {
         __m256 a[12];
         for (int h = 0; h < NH; h++) {
@@ -577,7 +596,7 @@ INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *v
             for (int h = 0; h < NH; h++)
                 p[h] = _mm256_broadcast_ss(s + h * TILE + t);
             for (int i = 0; i < DC; i++) {
-                ahead_step(nx, (v0 + i) * vbytes);
+                ahead_step(&ah, (v0 + i) * vbytes);
                 const __m256 x = load8v(vrows[t], (v0 + i) * 8, dt);
                 for (int h = 0; h < NH; h++)
                     a[h * DC + i] = _mm256_fmadd_ps(p[h], x, a[h * DC + i]);
@@ -587,6 +606,7 @@ INLINE void accum_heads_avx2(float *acc, const float *corr, const void *const *v
             for (int i = 0; i < DC; i++)
                 _mm256_storeu_ps(acc + h * D + (v0 + i) * 8, a[h * DC + i]);
     }
+    ahead_put(nx, &ah);
 }
 
 /* The G heads three at a time (12 accumulators of four vectors each); a lone head takes
