@@ -114,19 +114,21 @@ int64_t blocks_row_bytes(int64_t K, int fmt)
 }
 
 /* The vector forms' functions for 1-8 rows of x, U accumulators a row as the row GEMV has
- * them (gemv.c): 4 at one row, 2 at two, 1 from three on (the AVX2 forms' own list below:
- * 2 to four rows). 5-8 rows (past the row GEMV's,
- * where a model without blocks runs its packed panels) keep one a row, so that a pass of up
- * to 8 rows de-quantizes each block once. */
-#define FOR_ROW_COUNTS(DEFINE, NAME, WEIGHTS, BYTES)                                          \
+ * them (gemv.c): 4 at one row, 2 at two, U34 at three and four (1, or 2 in the AVX2 forms),
+ * 1 from five on. 5-8 rows (past the row GEMV's, where a model without blocks runs its
+ * packed panels) keep one a row, so that a pass of up to 8 rows de-quantizes each block
+ * once. */
+#define FOR_ROW_COUNTS_U(DEFINE, NAME, WEIGHTS, BYTES, U34)                                   \
     DEFINE(NAME, WEIGHTS, BYTES, 1, 4)                                                        \
     DEFINE(NAME, WEIGHTS, BYTES, 2, 2)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 3, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 4, 1)                                                        \
+    DEFINE(NAME, WEIGHTS, BYTES, 3, U34)                                                      \
+    DEFINE(NAME, WEIGHTS, BYTES, 4, U34)                                                      \
     DEFINE(NAME, WEIGHTS, BYTES, 5, 1)                                                        \
     DEFINE(NAME, WEIGHTS, BYTES, 6, 1)                                                        \
     DEFINE(NAME, WEIGHTS, BYTES, 7, 1)                                                        \
     DEFINE(NAME, WEIGHTS, BYTES, 8, 1)
+#define FOR_ROW_COUNTS(DEFINE, NAME, WEIGHTS, BYTES) \
+    FOR_ROW_COUNTS_U(DEFINE, NAME, WEIGHTS, BYTES, 1)
 
 #ifdef BLOCKS_AVX512
 /* The vector forms sum in the row GEMV's order (gemv.c's dot_row for nb rows of x): U
@@ -362,22 +364,13 @@ static inline void q80_weights8(const uint8_t *p, __m256 *w)
         for (int r = 0; r < NB; r++)                                                          \
             out[r] = fold_vf8(acc[r], U);                                                     \
     }
-/* U as gemv.c's DEFINE_DOT8 has it: two at three and four rows too. At one accumulator a
- * row, each block is four dependent FMAs a row (16 cycles of latency on a Zen 3): a whole
+/* U as gemv.c's DEFINE_DOT8 has it: two at three and four rows. At one accumulator a row,
+ * each block is four dependent FMAs a row (16 cycles of latency on a Zen 3): a whole
  * model's blocks took 12.0-12.3 ms at 3 rows and 13.1-13.2 at 4, with two 9.6-9.8 and
  * 11.3-11.7 (docs/bench/cpu-s31/blocks_ab.c, two Zen 3 cores). From five rows on there are
  * chains enough, and two a row spill registers (6 rows: 1.08x). */
-#define FOR_ROW_COUNTS8(DEFINE, NAME, WEIGHTS, BYTES)                                         \
-    DEFINE(NAME, WEIGHTS, BYTES, 1, 4)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 2, 2)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 3, 2)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 4, 2)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 5, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 6, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 7, 1)                                                        \
-    DEFINE(NAME, WEIGHTS, BYTES, 8, 1)
-FOR_ROW_COUNTS8(DEFINE_BLOCKS_DOT8, q41_dot8, q41_weights8, Q41_BYTES)
-FOR_ROW_COUNTS8(DEFINE_BLOCKS_DOT8, q80_dot8, q80_weights8, Q80_BYTES)
+FOR_ROW_COUNTS_U(DEFINE_BLOCKS_DOT8, q41_dot8, q41_weights8, Q41_BYTES, 2)
+FOR_ROW_COUNTS_U(DEFINE_BLOCKS_DOT8, q80_dot8, q80_weights8, Q80_BYTES, 2)
 
 static void row_dot8(const uint8_t *row, int fmt, const float *x, int64_t K, int nb,
                      float *out)
