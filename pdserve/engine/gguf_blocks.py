@@ -47,6 +47,14 @@ BLOCK = 32  # weights per block
 # 22.2-26.1, 4 rows 17.5-19.0 against 29.7-32.8, 8 rows 31.7-34.3 against 55.5-55.7, 10 rows
 # 57.1-66.7 against 63.1-67.4 (docs/benchmarks.md section 6, session 27).
 F32_GEMV_MAX_ROWS = 8
+
+
+def gemv_rows(dtype: torch.dtype) -> int:
+    """The most rows of a decode step the GEMV takes over a model's blocks: F32_GEMV_MAX_ROWS
+    for float32, the row GEMV's elsewhere (GEMV_MAX_ROWS)."""
+    from pdserve.engine.layers.linear import GEMV_MAX_ROWS
+
+    return F32_GEMV_MAX_ROWS if dtype == torch.float32 else GEMV_MAX_ROWS
 # GGML type -> (bytes a block, the C kernels' format code: common.h's BLOCKS_*)
 Q4_1, Q8_0 = 3, 8
 FORMATS = {Q4_1: (20, 1),  # float16 d, float16 m, 16 bytes of 4-bit codes

@@ -223,20 +223,18 @@ class LLMEngine:
     def _keep_gguf_blocks(self) -> None:
         """The weights' GGUF blocks for the decode stack, where the model has them
         (pdserve.engine.gguf_blocks)."""
-        from pdserve.engine.gguf_blocks import F32_GEMV_MAX_ROWS, model_blocks
-        from pdserve.engine.layers.linear import GEMV_MAX_ROWS
+        from pdserve.engine.gguf_blocks import gemv_rows, model_blocks
 
         t0 = time.perf_counter()
         path = os.path.join(self.source.directory, self.source.gguf_file)
         blocks = model_blocks(path, self.model)
         self.model.gguf_blocks = blocks
         if blocks is not None:
-            # the decode stack's GEMV rows over blocks (cpu_kernels/decode_stack.py)
-            rows = F32_GEMV_MAX_ROWS if self.model.dtype == torch.float32 else GEMV_MAX_ROWS
             log.info("decode steps of 1-%d sequences stream the weights' GGUF blocks (%.0f MB; "
                      "the LM head's %s), the same values as the %s rows (matched in %.1fs)",
-                     rows, blocks.nbytes / 1e6, "too" if blocks.head is not None else "rows",
-                     self.config.dtype, time.perf_counter() - t0)
+                     gemv_rows(self.model.dtype), blocks.nbytes / 1e6,
+                     "too" if blocks.head is not None else "rows", self.config.dtype,
+                     time.perf_counter() - t0)
 
     def step(self) -> list[SeqDelta]:
         if self.overlap is not None:

@@ -184,8 +184,7 @@ class CpuDecodeStack:
                             V=d.vocab_size, logits=None)
         # the most rows the GEMV form takes: more over float32 blocks (their GEMV beats the
         # panels there); and the most rows `run` takes
-        self.gemv_rows = (gguf_blocks.F32_GEMV_MAX_ROWS
-                          if self._blocks is not None and dt == torch.float32 else GEMV_MAX_ROWS)
+        self.gemv_rows = gguf_blocks.gemv_rows(dt) if self._blocks is not None else GEMV_MAX_ROWS
         self.max_rows = BATCH_MAX_ROWS if self._packed is not None else self.gemv_rows
         self._num_slots = kv_data.shape[2] * kv_data.shape[3]
         self._dims = DsModel(
