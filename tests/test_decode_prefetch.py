@@ -3,9 +3,10 @@ ahead in paged_decode.c): every line of each work item's next block, K's and V's
 once, and nothing else. Results cannot show a wrong address (a prefetch never faults and
 changes no value), so this builds the kernel for x86-64-v3 (the AVX2 steps, whatever this
 CPU has) with every prefetch recorded, runs it on shuffled block tables, and compares the
-lines asked for with the lines the next blocks hold: whole rows (an item with every KV head)
-and one head's part of each row, float32 and bfloat16 caches, head dims 64 and 128, groups
-of one to four query heads, partial last blocks."""
+lines asked for with the lines the next blocks hold: whole rows (an item with every KV
+head), one head's part of each row (a short sequence alone), one long sequence split in
+token ranges (each item asks for the blocks of its own range only), float32 and bfloat16
+caches, head dims 64 and 128, groups of one to four query heads, partial last blocks."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ DRIVER = r"""
 #include <string.h>
 int pd_decode(const void *, int64_t, const void *, const void *, const int32_t *, int64_t,
               const int32_t *, void *, int, int, int, int, int, float, int, int, int);
+int pd_range_tokens(const int32_t *, int, int);
 static const char *kbase, *vbase;
 static size_t kvbytes;
 static unsigned char *seen[2];
@@ -49,8 +51,9 @@ void pf_record(const void *p)
     }
     __atomic_fetch_add(&stray, 1, __ATOMIC_RELAXED);
 }
-/* argv: B Hq Hkv D kv_dtype(0 float32, 1 bfloat16) seed; prints wrong line counts. The
- * kernel's two threads record at once, so the counts are atomic. */
+/* argv: B Hq Hkv D kv_dtype(0 float32, 1 bfloat16) seed long(0, 1: 513-2,012 tokens, else
+ * 1-100); prints wrong line counts and the ranges past the first. The kernel's two threads
+ * record at once, so the counts are atomic. */
 int main(int argc, char **argv)
 {
     (void)argc;
@@ -60,7 +63,7 @@ int main(int argc, char **argv)
     int32_t *lens = malloc(B * sizeof *lens);
     int maxb = 0, nb = 0;
     for (int b = 0; b < B; b++) {
-        lens[b] = 1 + rand() % 100;
+        lens[b] = atoi(argv[7]) ? 513 + rand() % 1500 : 1 + rand() % 100;
         const int n = (lens[b] + bs - 1) / bs;
         nb += n;
         maxb = n > maxb ? n : maxb;
@@ -87,18 +90,21 @@ int main(int argc, char **argv)
     seen[1] = calloc(kvbytes / 64, 1);
     /* the query and output in float32 either way: the query's dtype picks no step here */
     float *q = calloc((size_t)B * Hq * D, sizeof *q), *out = malloc((size_t)B * Hq * D * 4);
-    /* two threads: one sequence is then split by heads (paged_decode.c, whole_rows) */
     if (pd_decode(q, Hq * D, k, v, tables, maxb, lens, out, B, Hq, Hkv, D, bs, 0.1f, 0, dt, 2))
         return 2;
-    long wrong = 0; /* next-block lines asked for other than once */
+    /* a range's first block is no item's next block: asked for by none */
+    const int limit = pd_range_tokens(lens, B, bs);
+    long wrong = 0, ranges = 0; /* next-block lines asked for other than once */
     for (int b = 0; b < B; b++)
         for (int blk = 1; blk < (lens[b] + bs - 1) / bs; blk++) {
             const int n = lens[b] - blk * bs < bs ? lens[b] - blk * bs : bs;
+            const int next = blk % (limit / bs) != 0;
+            ranges += !next;
             for (int t = 0; t < n; t++)
                 for (size_t o = 0; o < row; o += 64) {
                     const size_t l = (((size_t)tables[b * maxb + blk] * bs + t) * row + o) / 64;
                     for (int w = 0; w < 2; w++) {
-                        wrong += seen[w][l] != 1;
+                        wrong += seen[w][l] != next;
                         seen[w][l] = 0;
                     }
                 }
@@ -106,7 +112,7 @@ int main(int argc, char **argv)
     long other = 0; /* lines asked for outside every next block */
     for (size_t l = 0; l < kvbytes / 64; l++)
         other += seen[0][l] + seen[1][l];
-    printf("%ld %ld %ld\n", wrong, other, stray);
+    printf("%ld %ld %ld %ld\n", wrong, other, stray, ranges);
     return 0;
 }
 """
@@ -128,12 +134,15 @@ def driver(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 64), (32, 8, 128), (4, 4, 128)])
 @pytest.mark.parametrize("kv_dtype", [0, 1], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("batch", [1, 16], ids=["one-head-items", "whole-row-items"])
-def test_next_block_lines_asked_for_once(driver, batch, kv_dtype, hq, hkv, d):
+@pytest.mark.parametrize("batch,long", [(1, 0), (1, 1), (16, 0)],
+                         ids=["one-head-items", "split-sequence", "whole-row-items"])
+def test_next_block_lines_asked_for_once(driver, batch, long, kv_dtype, hq, hkv, d):
     for seed in range(3):
         out = subprocess.run([driver, str(batch), str(hq), str(hkv), str(d), str(kv_dtype),
-                              str(seed)], check=True, capture_output=True, text=True).stdout
-        wrong, other, stray = map(int, out.split())
+                              str(seed), str(long)],
+                             check=True, capture_output=True, text=True).stdout
+        wrong, other, stray, ranges = map(int, out.split())
+        assert (ranges > 0) == bool(long)  # only a long sequence is split
         assert (wrong, other, stray) == (0, 0, 0), (
             f"seed {seed}: {wrong} next-block lines asked for other than once, {other} lines "
             f"of no next block, {stray} addresses outside the cache")

@@ -12,6 +12,7 @@ from pdserve.engine.cpu_kernels import bf16_panels
 from pdserve.engine.cpu_kernels.amx_linear import amx_available
 from pdserve.engine.cpu_kernels.decode_stack import CpuDecodeStack
 from pdserve.engine.cpu_kernels.f32_panels import panels_available
+from pdserve.engine.cpu_kernels.library import load
 from pdserve.engine.layers.linear import BATCH_MAX_ROWS, GEMV_MAX_ROWS
 from pdserve.protocol import SamplingParams
 from tests.conftest import tiny_engine
@@ -145,16 +146,18 @@ def test_layouts_it_does_not_take_are_refused(tiny_model_dir):
         CpuDecodeStack(model, kv.data.half())
 
 
-def _wide_model(dtype: torch.dtype, rows: int):
+def _wide_model(dtype: torch.dtype, rows: int, blocks_per_row: int = 8):
     """Two random layers wide enough that every thread's share of a projection is many
     runs (decode_stack.c's work sharing), a vocabulary the batched kernels pack (the LM
-    head in the C call for both forms), and a cache of eight 16-token blocks per row."""
+    head in the C call for both forms), and a cache of blocks_per_row 16-token blocks per
+    row (positions up to as many tokens)."""
     from transformers import LlamaConfig
 
     h, i, heads, kv_heads, hd = 256, 1024, 4, 2, 64
     dims = llama.LlamaDims(num_layers=2, hidden_size=h, num_heads=heads,
                            num_kv_heads=kv_heads, head_dim=hd, intermediate_size=i,
-                           vocab_size=320, rms_norm_eps=1e-5, max_position=128)
+                           vocab_size=320, rms_norm_eps=1e-5,
+                           max_position=16 * blocks_per_row)
     gen = torch.Generator().manual_seed(3)
     state = {"model.embed_tokens.weight": torch.randn(320, h, generator=gen),
              "lm_head.weight": torch.randn(320, h, generator=gen),
@@ -171,30 +174,39 @@ def _wide_model(dtype: torch.dtype, rows: int):
             state[p + name + ".weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
     cfg = LlamaConfig(vocab_size=320, hidden_size=h, intermediate_size=i, num_hidden_layers=2,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
-                      max_position_embeddings=128, tie_word_embeddings=False)
+                      max_position_embeddings=16 * blocks_per_row, tie_word_embeddings=False)
     model = llama.LlamaModel(dims, state, cfg, dtype, torch.device("cpu"))
-    kv = torch.randn(2, 2, 8 * rows, 16, kv_heads, hd, generator=gen).to(dtype)
+    kv = torch.randn(2, 2, blocks_per_row * rows, 16, kv_heads, hd, generator=gen).to(dtype)
     return model, kv
 
 
-@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.float32, GEMV_MAX_ROWS),
-                                        (torch.float32, 37), (torch.bfloat16, 2),
-                                        (torch.bfloat16, 37)])
-def test_the_result_does_not_depend_on_the_team(dtype, rows):
+@pytest.mark.parametrize("dtype,rows,long_first",
+                         [(torch.float32, 1, False), (torch.float32, 1, True),
+                          (torch.float32, GEMV_MAX_ROWS, False), (torch.float32, 37, False),
+                          (torch.float32, 37, True), (torch.bfloat16, 2, False),
+                          (torch.bfloat16, 37, False), (torch.bfloat16, 37, True)])
+def test_the_result_does_not_depend_on_the_team(dtype, rows, long_first):
     """Which thread computes which columns and rows depends on which is free first; the
     result must not. Teams of 1, 2, 3 and 7 threads (7 on this machine's cores: threads
     preempted mid-step, their siblings taking over their shares) give the same bits, out
-    and cache. 37 rows take the batched form where the build and CPU have its kernel."""
+    and cache. 37 rows take the batched form where the build and CPU have its kernel.
+    long_first: the first sequence at 601 tokens, long enough that attention splits it in
+    token ranges and merges them (the GEMV form alone, the batched form among short ones)."""
     if rows > GEMV_MAX_ROWS and not _batched_kernel(str(dtype).removeprefix("torch.")):
         pytest.skip(f"no batched kernel for {dtype} here")
-    model, kv = _wide_model(dtype, rows)
+    per_row = 40 if long_first else 8
+    model, kv = _wide_model(dtype, rows, per_row)
     stack = CpuDecodeStack(model, kv)
     assert rows <= GEMV_MAX_ROWS or stack._head.packed  # the batched form's head in C
     pos = torch.tensor([(5 * r) % 100 + 3 for r in range(rows)])
-    step = dict(positions=pos, slots=torch.arange(rows) * 128 + pos,
+    if long_first:  # the rest short: 601 tokens are more than the 512 a range may hold
+        pos = torch.tensor([600] + [r % 5 + 3 for r in range(1, rows)])
+        lens = (pos + 1).int()
+        assert load().pd_splits(lens.data_ptr(), rows, 16)
+    step = dict(positions=pos, slots=torch.arange(rows) * 16 * per_row + pos,
                 seq_lens=(pos + 1).to(torch.int32),
-                block_tables=(torch.arange(rows, dtype=torch.int32)[:, None] * 8
-                              + torch.arange(8, dtype=torch.int32)))
+                block_tables=(torch.arange(rows, dtype=torch.int32)[:, None] * per_row
+                              + torch.arange(per_row, dtype=torch.int32)))
     x = model.embed[torch.arange(rows) * 7 % 300].clone()
     cache = kv.clone()
     threads = torch.get_num_threads()
@@ -219,7 +231,6 @@ def test_a_thread_that_loses_its_core_is_not_waited_for(dtype):
     attention item, as a thread preempted while holding it would. Thread 0 computes what
     thread 1 holds itself instead of waiting, and the result is one thread's, bit for bit:
     logits, residual and cache."""
-    from pdserve.engine.cpu_kernels.library import load
 
     lib = load()
     model, kv = _wide_model(dtype, GEMV_MAX_ROWS)

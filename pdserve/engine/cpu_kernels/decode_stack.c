@@ -103,12 +103,19 @@ int pd_decode(const void *q, int64_t q_stride_b, const void *k, const void *v,
 int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void *v,
                    const int32_t *tables, int64_t bt_stride, const int32_t *lens, void *out,
                    int B, int Hq, int Hkv, int D, int block_size, float scale, int q_dt,
-                   int kv_dt, int nt, int *next);
+                   int kv_dt, int nt, int *next, float *partials);
+void pd_decode_team_merge(const void *q, int64_t q_stride_b, const int32_t *tables,
+                          int64_t bt_stride, const int32_t *lens, void *out, int B, int Hq,
+                          int Hkv, int D, int block_size, int q_dt, int kv_dt, int t, int nt,
+                          float *partials);
 int pd_decode_team_redo(const void *q, int64_t q_stride_b, const void *k, const void *v,
                         const int32_t *tables, int64_t bt_stride, const int32_t *lens,
                         void *out, int B, int Hq, int Hkv, int D, int block_size, float scale,
                         int q_dt, int kv_dt, int nt, int *next, uint8_t *flags,
-                        int (*wait)(const uint8_t *), void (*claimed)(void));
+                        int (*wait)(const uint8_t *), void (*claimed)(void), float *partials);
+int pd_max_items(int B, int Hkv);
+int64_t pd_partials_floats(int B, int Hq, int D);
+int pd_splits(const int32_t *lens, int B, int block_size);
 void al_blocks(const uint16_t *x, int64_t x_stride, int64_t M, const uint16_t *packed,
                int64_t K, uint16_t *y, int64_t y_stride, int64_t nb0, int64_t nb1,
                int64_t next_nb);
@@ -284,13 +291,21 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
         if (positions[b] < 0 || positions[b] >= m->max_position)
             return -2;
     const int want = num_threads > 1 ? num_threads : 1;
-    char *scratch = malloc((size_t)(M16 * (H + QD + I) + M * (QKV + 2 * I + H)) * es);
+    /* a long sequence's attention split in token ranges: merged after its items, from
+     * records every layer reuses (barriers stand between the layers' attention steps) */
+    const int splits = pd_splits(lens, (int)M, (int)m->block_size);
+    const size_t partial_bytes =
+        splits ? (size_t)pd_partials_floats((int)M, (int)m->Hq, (int)m->D) * sizeof(float) : 0;
+    const size_t buffer_bytes = (size_t)(M16 * (H + QD + I) + M * (QKV + 2 * I + H)) * es;
+    const size_t partial_at = (buffer_bytes + 63) / 64 * 64;
+    char *scratch = malloc(partial_at + partial_bytes);
     struct share_counter *work = new_counters(m->L, want);
     if (!scratch || !work) {
         free(scratch);
         free(work);
         return -1;
     }
+    float *const partials = splits ? (float *)(scratch + partial_at) : NULL;
 #define AT(p, n) ((p) + (size_t)(n) * es) /* element n of a buffer of dtype dt */
     char *h = scratch, *attn = AT(h, M16 * H), *act = AT(attn, M16 * QD);
     char *qkv = AT(act, M16 * I), *gu = AT(qkv, M * QKV), *y = AT(gu, M * 2 * I);
@@ -337,9 +352,15 @@ static int batched_layers(const struct ds_model *m, const void *const *weights,
             if (pd_decode_team(qkv, QKV, k_cache, v_cache, tables, bt_stride, lens, attn,
                                (int)M, (int)m->Hq, (int)m->Hkv, (int)m->D, (int)m->block_size,
                                m->scale, dt, m->kv_dt, tm.nt,
-                               &work[(c + W_ATTN) * want].runs))
+                               &work[(c + W_ATTN) * want].runs, partials))
                 __atomic_store_n(&rc, -3, __ATOMIC_RELAXED);
             barrier_wait(&bar);
+            if (splits) {
+                pd_decode_team_merge(qkv, QKV, tables, bt_stride, lens, attn, (int)M,
+                                     (int)m->Hq, (int)m->Hkv, (int)m->D, (int)m->block_size,
+                                     dt, m->kv_dt, tm.t, tm.nt, partials);
+                barrier_wait(&bar);
+            }
             if (__atomic_load_n(&rc, __ATOMIC_RELAXED)) /* every thread leaves here */
                 break;
             packed_share(&tm, c + W_O, attn, QD, M, p[2], H, QD, y, dt, &rc);
@@ -553,7 +574,7 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
                                    gv_runs(H, QD, q8, dt, q41_ref(bl0[2])),
                                    gv_runs(2 * I, H, q8, dt, q41_ref(bl0[4])),
                                    gv_runs(H, I, q8, dt, q41_ref(bl0[5])),
-                                   M * m->Hkv /* attention's items, at most */};
+                                   pd_max_items((int)M, (int)m->Hkv) /* attention's items */};
     int64_t max_runs = 0;
     for (int p = 0; p < P_COUNT; p++)
         max_runs = runs[p] > max_runs ? runs[p] : max_runs;
@@ -562,8 +583,15 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
     const int64_t head_runs = head ? gv_runs(head->V, H, head_q8, dt, head_bl) : 0;
     const int want = num_threads > 1 ? num_threads : 1;
     const size_t flag_bytes = up64((size_t)(L * P_COUNT * max_runs + head_runs));
+    /* a long sequence's attention records, a set per layer: no barrier keeps a thread that
+     * is through a layer's attention from the next layer's while another merges this one's */
+    const int64_t partial_floats =
+        pd_splits(lens, (int)M, (int)m->block_size)
+            ? pd_partials_floats((int)M, (int)m->Hq, (int)m->D) : 0;
+    const size_t partial_bytes = up64((size_t)partial_floats * sizeof(float));
     char *shared = aligned_alloc(64, (size_t)L * layer_bytes + up64((size_t)(M * H) * es)
-                                     + flag_bytes + (size_t)want * own_bytes);
+                                     + flag_bytes + (size_t)L * partial_bytes
+                                     + (size_t)want * own_bytes);
     struct share_counter *work = new_counters(L, want);
     if (!shared || !work) {
         free(shared);
@@ -572,7 +600,8 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
     }
     char *const x_final = shared + (size_t)L * layer_bytes;
     uint8_t *const flags = (uint8_t *)x_final + up64((size_t)(M * H) * es);
-    char *const own_base = (char *)flags + flag_bytes;
+    char *const partial_base = (char *)flags + flag_bytes;
+    char *const own_base = partial_base + (size_t)L * partial_bytes;
     memset(flags, 0, flag_bytes);
     int rc = 0, finished = 0;
 #pragma omp parallel num_threads(want)
@@ -618,7 +647,10 @@ static int gemv_layers(const struct ds_model *m, const void *const *weights,
                                     (int)M, (int)m->Hq, (int)m->Hkv, (int)m->D,
                                     (int)m->block_size, m->scale, dt, m->kv_dt, tm.nt,
                                     &work[(c + W_ATTN) * want].runs, fl + P_ATTN * max_runs,
-                                    wait_flag, claimed)) {
+                                    wait_flag, claimed,
+                                    partial_floats
+                                        ? (float *)(partial_base + (size_t)l * partial_bytes)
+                                        : NULL)) {
                 __atomic_store_n(&rc, -3, __ATOMIC_RELAXED);
                 break;
             }

@@ -82,6 +82,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pd_validate.argtypes = [p, p, i64, i32, i32, i32, i64, ctypes.POINTER(i32),
                                 ctypes.POINTER(i64)]
     lib.pd_validate.restype = i32
+    lib.pd_splits.argtypes = [p, i32, i32]  # the tests' view of the split rule
+    lib.pd_splits.restype = i32
     lib.pd_decode.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32,
                               i32, i32]
     lib.pd_decode.restype = i32

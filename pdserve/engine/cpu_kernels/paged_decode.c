@@ -9,10 +9,16 @@
  *   out          [B, Hq, D]    contiguous, in the query's dtype
  * dtype codes and bf16 conversions: common.h.
  *
- * Work item = (sequence, some KV heads): each KV head's G = Hq / Hkv query heads are
- * processed together so every K/V row is read from memory once (the other query heads
- * re-read it from L1). Keys are taken a tile at a time: score the tile for all G heads,
- * update the online softmax (float32), then accumulate the tile's values. The launcher
+ * Work item = (sequence, all or one of its KV heads, all or a range of its tokens): each KV
+ * head's G = Hq / Hkv query heads are processed together so every K/V row is read from
+ * memory once (the other query heads re-read it from L1). Keys are taken a tile at a time:
+ * score the tile for all G heads, update the online softmax (float32), then accumulate the
+ * tile's values. A sequence longer than the call's limit (pd_range_tokens) is split into
+ * ranges of that many tokens, each leaving its softmax state (max, sum, unnormalised
+ * values) in a partial record, merged once all are in (merge_share): one long sequence
+ * alone, or beside short ones, keeps every thread busy instead of one. Threads claim the
+ * items longest first (claim_order), so no long one is left for the end. The split depends
+ * on the lengths only, never on the threads, so any team gives the same bits. The launcher
  * (paged_decode.py) checks shapes and dtypes and calls pd_validate before pd_decode, so
  * pd_decode trusts its arguments.
  *
@@ -45,6 +51,8 @@
 #include "common.h"
 
 #define TILE 32 /* keys per tile: its rows (<= 32 KiB at D=128) stay in L1 across heads */
+#define SPLIT_PARTS 4 /* ranges hold at least total / SPLIT_PARTS of a call's tokens */
+#define MIN_RANGE 512 /* tokens: a sequence this short is never split */
 /* Position of element i in split order: per 32 elements, the 16 even ones then the 16 odd. */
 static inline int split_pos(int i)
 {
@@ -58,7 +66,10 @@ struct args {
     int64_t q_stride_b, bt_stride;
     int B, Hq, Hkv, D, bs, q_dt, kv_dt;
     float scale;
-    int hg; /* KV heads per work item, a divisor of Hkv */
+    int hg;         /* KV heads per work item: Hkv (whole rows), or 1 (whole_rows) */
+    int limit;      /* a sequence longer than this is split (pd_range_tokens) */
+    int items;      /* work items of the call */
+    float *partials; /* items records of partial_floats: split sequences' states */
 };
 
 /* Per-thread scratch, in floats: q and acc [hg*G*D], scores [G*TILE], m, l, corr [hg*G]. */
@@ -66,6 +77,36 @@ static size_t scratch_floats(const struct args *a)
 {
     size_t G = (size_t)(a->Hq / a->Hkv), HG = (size_t)a->hg;
     return 2 * HG * G * a->D + G * TILE + 3 * HG * G;
+}
+
+/* One split item's record: m [Hq], l [Hq], then the unnormalised acc [Hq][D] in order. */
+static size_t partial_floats(int Hq, int D)
+{
+    return (size_t)Hq * (D + 2);
+}
+
+/* The call's limit: total / SPLIT_PARTS tokens rounded up to whole blocks, at least
+ * MIN_RANGE. Equal lengths stay whole from SPLIT_PARTS sequences on; one sequence alone is
+ * split in up to SPLIT_PARTS. Why these, from the kernel alone on SmolLM2's heads from DRAM
+ * on two Zen 3 cores (docs/benchmarks.md section 6, session 33): one sequence of 1,000 and
+ * 4,000 tokens 0.79 and 0.71-0.73x, three of 1,000-2,000 0.82-0.86x, two 0.97-1.04x, 4-32
+ * sequences 0.96-1.01x. Ranges from 64 tokens on cost 15 % where two of 300 tokens were
+ * balanced whole; 2 parts gave up the three sequences' gain, 8 lost more for two. */
+int pd_range_tokens(const int32_t *lens, int B, int bs)
+{
+    int64_t total = 0;
+    for (int b = 0; b < B; b++)
+        total += lens[b];
+    int64_t r = (total + SPLIT_PARTS - 1) / SPLIT_PARTS;
+    r = r < MIN_RANGE ? MIN_RANGE : r;
+    r = (r + bs - 1) / bs * bs;
+    return r > INT32_MAX / 2 ? INT32_MAX / 2 / bs * bs : (int)r;
+}
+
+/* A sequence's ranges: limit tokens each, the last one the rest. */
+static int ranges_of(int len, int limit)
+{
+    return (len + limit - 1) / limit;
 }
 
 /* Asks for the row at the same place in the next block (pf bytes on) as this one is read,
@@ -668,17 +709,20 @@ static inline void softmax_tile(float *s, int nt, int G, int first, float *m, fl
     }
 }
 
-/* One work item: sequence b, KV heads [h0, h0 + a->hg). Block by block, each head's tile
- * is scored, softmaxed and accumulated, and the next block's rows fetched as these are
- * read. With all heads in one item the block's rows form one contiguous run; per-head
- * items read rows strided by Hkv * D from scattered blocks and measured ~20% slower.
+/* One work item: sequence b's tokens [t_begin, t_end) (t_begin on a block's start), KV
+ * heads [h0, h0 + a->hg). Block by block, each head's tile is scored, softmaxed and
+ * accumulated, and the next block's rows fetched as these are read. The result goes to the
+ * output, or with part (a split sequence's item) the softmax state to that record. With
+ * all heads in one item the block's rows form one contiguous run; per-head items read rows
+ * strided by Hkv * D from scattered blocks and measured ~20% slower.
  * Inlined into one copy per (head_dim, dtype) pair below: constants let the compiler keep
  * a head's accumulators in registers and drop the dtype branches. NV > 0 selects the
  * vector steps, AVX-512's for D = 16 * NV or AVX2's for D = 8 * NV; NV = 0 the portable
  * ones for any D. QDP (AVX512-BF16 builds, bf16 query and cache) scores with vdpbf16ps on
  * the query as given. */
-INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, const int D,
-                        const int NV, const int dt, const int QDP)
+INLINE void decode_item(const struct args *a, int b, int h0, int t_begin, int t_end,
+                        float *part, float *scratch, const int D, const int NV, const int dt,
+                        const int QDP)
 {
     (void)NV, (void)QDP; /* only the AVX-512 and AVX2 builds read them */
 #ifdef __AVX512F__
@@ -708,9 +752,9 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
         l[i] = 0.f;
 
     const int32_t *table = a->tables + (int64_t)b * a->bt_stride;
-    const int len = a->lens[b];
+    const int len = t_end; /* as far as this item reads */
     int first = 1;
-    for (int start = 0; start < len; start += bs) {
+    for (int start = t_begin; start < len; start += bs) {
         const int n = len - start < bs ? len - start : bs;
         /* token 0 of this block for KV head h0; token t is t * row_stride further */
         const size_t off = (((size_t)table[start / bs] * bs) * Hkv + h0) * D * esize;
@@ -773,6 +817,17 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
         }
     }
 
+    if (part) { /* whole rows (h0 0): the record holds every head, acc put in order */
+        for (int i = 0; i < HG * G; i++) {
+            part[i] = m[i];
+            part[a->Hq + i] = l[i];
+            float *pa = part + 2 * a->Hq + (size_t)i * D;
+            const float *ai = acc + i * D;
+            for (int d = 0; d < D; d++)
+                pa[d] = ai[split ? split_pos(d) : d];
+        }
+        return;
+    }
     const int64_t o0 = ((int64_t)b * a->Hq + (int64_t)h0 * G) * D;
     for (int i = 0; i < HG * G; i++) {
         const float inv = 1.f / l[i];
@@ -789,11 +844,12 @@ INLINE void decode_item(const struct args *a, int b, int h0, float *scratch, con
     }
 }
 
-typedef void (*item_fn)(const struct args *, int, int, float *);
+typedef void (*item_fn)(const struct args *, int, int, int, int, float *, float *);
 #define ITEM(name, D, NV, DT, QDP)                                                           \
-    static void name(const struct args *a, int b, int h0, float *s)                        \
+    static void name(const struct args *a, int b, int h0, int t0, int t1, float *part,      \
+                     float *s)                                                              \
     {                                                                                       \
-        decode_item(a, b, h0, s, D, NV, DT, QDP);                                           \
+        decode_item(a, b, h0, t0, t1, part, s, D, NV, DT, QDP);                             \
     }
 #if defined(__AVX512F__) || defined(AVX2_STEPS)
 #ifdef __AVX512F__
@@ -863,48 +919,172 @@ struct redo {
     void (*claimed)(void);
 };
 
+/* Item i's sequence, first KV head and token range. first[] (B + 1 entries, a thread's
+ * own) holds each sequence's first item, or is NULL where no sequence is split (item i:
+ * sequence i / (Hkv / hg), the heads from (i % (Hkv / hg)) * hg). */
+static void locate(const struct args *a, const int32_t *first, int i, int *b, int *h0,
+                   int *t0, int *t1)
+{
+    if (!first) {
+        const int per_seq = a->Hkv / a->hg;
+        *b = i / per_seq, *h0 = (i % per_seq) * a->hg, *t0 = 0, *t1 = a->lens[*b];
+        return;
+    }
+    *h0 = 0; /* split calls take whole rows */
+    int lo = 0, hi = a->B - 1; /* the last sequence whose first item is <= i */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= i)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const int len = a->lens[lo];
+    *b = lo, *t0 = (i - first[lo]) * a->limit;
+    *t1 = *t0 + a->limit < len ? *t0 + a->limit : len;
+}
+
+/* Computes item i: into the output, or into its record where its sequence is split. */
+static void run_item(const struct args *a, item_fn item, const int32_t *first, int i,
+                     float *scratch)
+{
+    int b, h0, t0, t1;
+    locate(a, first, i, &b, &h0, &t0, &t1);
+    const int whole = t0 == 0 && t1 == a->lens[b];
+    float *part = whole ? NULL : a->partials + (size_t)i * partial_floats(a->Hq, a->D);
+    item(a, b, h0, t0, t1, part, scratch);
+}
+
+/* Sequence b's output from its n records at rec: each head's states rescaled to the largest
+ * max (log2 units, as the items keep them) and summed in item order, then normalised. */
+static void merge_sequence(const struct args *a, int b, const float *rec, int n)
+{
+    const int Hq = a->Hq, D = a->D;
+    const size_t pf = partial_floats(Hq, D);
+    for (int h = 0; h < Hq; h++) {
+        float mx = rec[h];
+        for (int j = 1; j < n; j++)
+            mx = rec[j * pf + h] > mx ? rec[j * pf + h] : mx;
+        float acc[D], l = 0.f;
+        memset(acc, 0, sizeof acc);
+        for (int j = 0; j < n; j++) {
+            const float *r = rec + j * pf, w = exp2_weight(r[h] - mx);
+            l += r[Hq + h] * w;
+            const float *ra = r + 2 * Hq + (size_t)h * D;
+            for (int d = 0; d < D; d++)
+                acc[d] += ra[d] * w;
+        }
+        const float inv = 1.f / l;
+        const int64_t o0 = ((int64_t)b * Hq + h) * D;
+        if (a->q_dt == DT_F32)
+            for (int d = 0; d < D; d++)
+                ((float *)a->out)[o0 + d] = acc[d] * inv;
+        else
+            for (int d = 0; d < D; d++)
+                ((uint16_t *)a->out)[o0 + d] = f32_to_bf16(acc[d] * inv);
+    }
+}
+
+/* The split sequences b with b % nt == t merged into the output, once every record is in. */
+static void merge_share(const struct args *a, int t, int nt)
+{
+    for (int b = 0, i = 0; b < a->B; b++) {
+        const int n = ranges_of(a->lens[b], a->limit);
+        if (n > 1 && b % nt == t)
+            merge_sequence(a, b, a->partials + (size_t)i * partial_floats(a->Hq, a->D), n);
+        i += n;
+    }
+}
+
+/* The tokens item i reads (first: as locate takes it). */
+static int item_tokens(const struct args *a, const int32_t *first, int i)
+{
+    int b, h0, t0, t1;
+    locate(a, first, i, &b, &h0, &t0, &t1);
+    return t1 - t0;
+}
+
+static int descending(const void *x, const void *y)
+{
+    const int64_t u = *(const int64_t *)x, v = *(const int64_t *)y;
+    return (u < v) - (u > v);
+}
+
+/* order[j]: the item claimed j-th, longest first (equal ones in item order), the greedy
+ * that leaves the least for the last thread: claimed in item order, a sequence of 1,839
+ * tokens behind two ranges of 1,056 kept one thread busy 2,895 tokens long against the
+ * other's 1,053. Every thread of a call computes the same order. keys: items int64s. */
+static void claim_order(const struct args *a, const int32_t *first, int64_t *keys,
+                        int32_t *order)
+{
+    for (int i = 0; i < a->items; i++)
+        keys[i] = (int64_t)item_tokens(a, first, i) << 32 | (uint32_t)(INT32_MAX - i);
+    qsort(keys, (size_t)a->items, sizeof *keys, descending);
+    for (int j = 0; j < a->items; j++)
+        order[j] = INT32_MAX - (int32_t)(keys[j] & 0xffffffff);
+}
+
 /* Work items of one call, claimed one at a time from *next by every thread that calls this
- * with the same arguments. Dynamic claiming: sequences differ in length, so a static split
- * would leave a thread idle while another finishes the long ones. With redo, each item is
- * flagged once written, and a thread out of items computes any its siblings hold that
- * redo->wait gives up on. Returns 0, or -1 when this thread's scratch memory could not be
+ * with the same arguments, in claim_order. Dynamic claiming: sequences differ in length,
+ * so a static split would leave a thread idle while another finishes the long ones. With
+ * redo, each item is flagged once written, and a thread out of items computes any its
+ * siblings hold that redo->wait gives up on; then it merges every split sequence itself
+ * (the same values whoever writes them). Without redo the caller merges once all items are
+ * in (merge_share). Returns 0, or -1 when this thread's scratch memory could not be
  * allocated (its items are left to the others; the caller reports the failure). */
 static int claim_items(const struct args *a, int *next, const struct redo *redo)
 {
     const item_fn item = pick_item(a->D, a->q_dt, a->kv_dt);
-    const int per_seq = a->Hkv / a->hg, items = a->B * per_seq;
+    const int split = a->hg == a->Hkv && a->items > a->B;
     /* common.h's, kept per thread: allocated per call, the team's threads met at malloc's
      * lock at every layer of a decode step, all arriving at attention together (the process
      * has one arena, pdserve.engine.heap_tuning, and a thread that finds the lock taken
-     * sleeps on it) */
-    float *scratch = thread_scratch(scratch_floats(a));
+     * sleeps on it). After the item's floats: the sort keys (int64, so at an even float),
+     * the claim order, and where split each sequence's first item (all four bytes each). */
+    const size_t sf = (scratch_floats(a) + 1) / 2 * 2, n = (size_t)a->items;
+    float *scratch = thread_scratch(sf + 2 * n + n + (split ? (size_t)a->B + 1 : 0));
     if (!scratch)
         return -1;
+    int64_t *keys = (int64_t *)(scratch + sf);
+    int32_t *order = (int32_t *)(scratch + sf + 2 * n), *first = NULL;
+    if (split) {
+        first = order + n;
+        for (int b = 0, i = 0; b <= a->B; b++) {
+            first[b] = i;
+            i += b < a->B ? ranges_of(a->lens[b], a->limit) : 0;
+        }
+    }
+    claim_order(a, first, keys, order);
     for (;;) {
-        const int i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (i >= items)
+        const int j = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (j >= a->items)
             break;
         if (redo)
             redo->claimed();
-        item(a, i / per_seq, (i % per_seq) * a->hg, scratch);
+        run_item(a, item, first, order[j], scratch);
         if (redo)
-            __atomic_store_n(&redo->flags[i], 1, __ATOMIC_RELEASE);
+            __atomic_store_n(&redo->flags[order[j]], 1, __ATOMIC_RELEASE);
     }
-    for (int i = 0; redo && i < items; i++)
+    if (!redo)
+        return 0;
+    for (int i = 0; i < a->items; i++)
         if (!redo->wait(&redo->flags[i])) {
-            item(a, i / per_seq, (i % per_seq) * a->hg, scratch);
+            run_item(a, item, first, i, scratch);
             __atomic_store_n(&redo->flags[i], 1, __ATOMIC_RELEASE);
         }
+    if (split)
+        merge_share(a, 0, 1);
     return 0;
 }
 
-/* Whether a work item takes all KV heads of a sequence (whole rows: contiguous reads, and
- * the AVX2 steps ask for the next block in address order) rather than one head: yes with
- * four sequences a thread or more, and with fewer while the threads stay evenly loaded (no
- * sequence longer than 1.25x an even share of all the tokens); one long sequence among
- * short ones is split by heads. Whole rows against one head each, the kernel alone on
- * SmolLM2's heads from DRAM on two Zen 3 cores: 0.66-0.86x at 2-7 sequences of 256-1,000
- * tokens (docs/benchmarks.md section 6, session 32). */
+/* Where no sequence is split: whether a work item takes all KV heads of a sequence (whole
+ * rows: contiguous reads, and the AVX2 steps ask for the next block in address order)
+ * rather than one head. Yes with four sequences a thread or more, and with fewer while the
+ * threads stay evenly loaded (no sequence longer than 1.25x an even share of all the
+ * tokens); a short sequence alone, or a longer one among shorter ones, is split by heads.
+ * Whole rows against one head each, the kernel alone on SmolLM2's heads from DRAM on two
+ * Zen 3 cores: 0.66-0.86x at 2-7 sequences of 256-1,000 tokens (docs/benchmarks.md section
+ * 6, session 32). Either way each head's values are the same. */
 static int whole_rows(const int32_t *lens, int B, int num_threads)
 {
     if (B >= 4 * num_threads)
@@ -920,12 +1100,51 @@ static int whole_rows(const int32_t *lens, int B, int num_threads)
 static struct args make_args(const void *q, int64_t q_stride_b, const void *k, const void *v,
                              const int32_t *tables, int64_t bt_stride, const int32_t *lens,
                              void *out, int B, int Hq, int Hkv, int D, int block_size,
-                             float scale, int q_dt, int kv_dt, int num_threads)
+                             float scale, int q_dt, int kv_dt, int num_threads,
+                             float *partials)
 {
-    const int hg = whole_rows(lens, B, num_threads) ? Hkv : 1;
+    const int limit = pd_range_tokens(lens, B, block_size);
+    int items = 0;
+    for (int b = 0; b < B; b++)
+        items += ranges_of(lens[b], limit);
+    const int hg = items > B || whole_rows(lens, B, num_threads) ? Hkv : 1;
+    if (items == B)
+        items = B * (Hkv / hg);
     const struct args a = {q, k, v, tables, lens, out, q_stride_b, bt_stride,
-                           B, Hq, Hkv, D, block_size, q_dt, kv_dt, scale, hg};
+                           B, Hq, Hkv, D, block_size, q_dt, kv_dt, scale, hg, limit,
+                           items, partials};
     return a;
+}
+
+/* The most work items a call of B sequences has: one a KV head each, or where sequences are
+ * split, at most ceil(len / limit) ranges each with the limit at least total / SPLIT_PARTS,
+ * so at most SPLIT_PARTS ranges past each sequence's first (and as many partial records). */
+static int max_ranges(int B)
+{
+    return B + SPLIT_PARTS;
+}
+
+int pd_max_items(int B, int Hkv)
+{
+    return B * Hkv > max_ranges(B) ? B * Hkv : max_ranges(B);
+}
+
+/* Floats of the partial records a call of B sequences may write (pd_decode_team's and
+ * pd_decode_team_redo's partials). */
+int64_t pd_partials_floats(int B, int Hq, int D)
+{
+    return (int64_t)max_ranges(B) * (int64_t)partial_floats(Hq, D);
+}
+
+/* Whether a call over these lengths splits a sequence: its team then merges after its
+ * items (pd_decode_team_merge). */
+int pd_splits(const int32_t *lens, int B, int block_size)
+{
+    const int limit = pd_range_tokens(lens, B, block_size);
+    for (int b = 0; b < B; b++)
+        if (lens[b] > limit)
+            return 1;
+    return 0;
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
@@ -936,49 +1155,77 @@ int pd_decode(const void *q, int64_t q_stride_b, const void *k, const void *v,
 {
     if (num_threads < 1)
         num_threads = 1;
+    float *partials = NULL;
+    if (pd_splits(lens, B, block_size)) {
+        partials = malloc((size_t)pd_partials_floats(B, Hq, D) * sizeof(float));
+        if (!partials)
+            return -1;
+    }
     const struct args a = make_args(q, q_stride_b, k, v, tables, bt_stride, lens, out, B, Hq,
-                                    Hkv, D, block_size, scale, q_dt, kv_dt, num_threads);
-    const int items = B * (Hkv / a.hg);
+                                    Hkv, D, block_size, scale, q_dt, kv_dt, num_threads,
+                                    partials);
     int next = 0, failed = 0;
-    if (num_threads > items)
-        num_threads = items;
+    if (num_threads > a.items)
+        num_threads = a.items;
 #pragma omp parallel num_threads(num_threads)
-    if (claim_items(&a, &next, NULL))
-        __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+    {
+        if (claim_items(&a, &next, NULL))
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        if (partials) {
+#pragma omp barrier
+            merge_share(&a, omp_get_thread_num(), omp_get_num_threads());
+        }
+    }
+    free(partials);
     return failed ? -1 : 0;
 }
 
 /* pd_decode's work shared by the nt threads of an enclosing parallel region, each calling
  * it with the same arguments and the same *next (zero before the first of them arrives).
+ * Where pd_splits, partials holds pd_partials_floats and the outputs of split sequences are
+ * written by pd_decode_team_merge, which the team calls once every thread is through here.
  * Returns what claim_items returns for this thread. */
 int pd_decode_team(const void *q, int64_t q_stride_b, const void *k, const void *v,
                    const int32_t *tables, int64_t bt_stride, const int32_t *lens, void *out,
                    int B, int Hq, int Hkv, int D, int block_size, float scale, int q_dt,
-                   int kv_dt, int nt, int *next)
+                   int kv_dt, int nt, int *next, float *partials)
 {
     const struct args a = make_args(q, q_stride_b, k, v, tables, bt_stride, lens, out, B, Hq,
-                                    Hkv, D, block_size, scale, q_dt, kv_dt, nt);
+                                    Hkv, D, block_size, scale, q_dt, kv_dt, nt, partials);
     return claim_items(&a, next, NULL);
 }
 
+/* Thread t of nt: its share of the split sequences' outputs, from the records pd_decode_team
+ * left in partials (the same arguments). */
+void pd_decode_team_merge(const void *q, int64_t q_stride_b, const int32_t *tables,
+                          int64_t bt_stride, const int32_t *lens, void *out, int B, int Hq,
+                          int Hkv, int D, int block_size, int q_dt, int kv_dt, int t, int nt,
+                          float *partials)
+{
+    const struct args a = make_args(q, q_stride_b, NULL, NULL, tables, bt_stride, lens, out, B,
+                                    Hq, Hkv, D, block_size, 1.f, q_dt, kv_dt, nt, partials);
+    merge_share(&a, t, nt);
+}
+
 /* pd_decode_team's work where no thread waits on another (decode_stack.c's GEMV form).
- * Items are claimed from *next as there; each item's output rows, once written, are
- * flagged in flags[item] (zeroed before the first thread arrives). A thread with no item
- * left to claim goes through the items others claimed: for each one not flagged,
- * wait(flag) gives its taker a moment, and if it returns 0 the thread computes the item
- * itself. An item writes only its own heads' output rows, each value the same whoever
- * computes it. claimed() is called between claiming an item and computing it (the tests'
- * way to make a thread lose its core there). On return (0) every item's output is written
- * and visible to this thread; -1 when its scratch memory could not be allocated (nothing
- * computed here). */
+ * Items are claimed from *next as there; each item, once written (its output rows, or its
+ * partial record), is flagged in flags[item] (pd_max_items of them, zeroed before the first
+ * thread arrives). A thread with no item left to claim goes through the items others
+ * claimed: for each one not flagged, wait(flag) gives its taker a moment, and if it returns
+ * 0 the thread computes the item itself; then it writes every split sequence's output from
+ * the records. Every value is the same whoever computes it. claimed() is called between
+ * claiming an item and computing it (the tests' way to make a thread lose its core there).
+ * partials: pd_partials_floats, not shared with any call another thread may still be in.
+ * On return (0) every output is written and visible to this thread; -1 when its scratch
+ * memory could not be allocated (nothing computed here). */
 int pd_decode_team_redo(const void *q, int64_t q_stride_b, const void *k, const void *v,
                         const int32_t *tables, int64_t bt_stride, const int32_t *lens,
                         void *out, int B, int Hq, int Hkv, int D, int block_size, float scale,
                         int q_dt, int kv_dt, int nt, int *next, uint8_t *flags,
-                        int (*wait)(const uint8_t *), void (*claimed)(void))
+                        int (*wait)(const uint8_t *), void (*claimed)(void), float *partials)
 {
     const struct args a = make_args(q, q_stride_b, k, v, tables, bt_stride, lens, out, B, Hq,
-                                    Hkv, D, block_size, scale, q_dt, kv_dt, nt);
+                                    Hkv, D, block_size, scale, q_dt, kv_dt, nt, partials);
     const struct redo redo = {flags, wait, claimed};
     return claim_items(&a, next, &redo);
 }
