@@ -83,6 +83,26 @@ def test_device_sampler_equals_reference(name):
         assert dev[0][0] not in (EOS[0], 7) and dev[1][0] == EOS[0]
 
 
+def test_rows_all_sampled_take_no_argmax(monkeypatch):
+    """With no greedy row the argmax is skipped (flags.greedy False): the draws alone are
+    the tokens, the reference's, padded rows and all."""
+    import pdserve.engine.device_sampler as ds
+
+    rows = _rows([SamplingParams(temperature=0.9, seed=21),
+                  SamplingParams(temperature=1.1, seed=23),
+                  SamplingParams(temperature=0.7, top_k=9, seed=22)])
+    one_greedy = rows[:1] + _rows([SamplingParams(temperature=0.0)])
+    assert not SampleFlags.of(rows, VOCAB).greedy and SampleFlags.of(one_greedy, VOCAB).greedy
+    calls = []
+    monkeypatch.setattr(ds, "greedy_tokens", lambda x: calls.append(x) or x.argmax(-1))
+    torch.manual_seed(4)
+    for _ in range(5):
+        logits = torch.randn(len(rows), VOCAB) * 3
+        ref = sample(logits.clone(), rows)
+        assert [t for t, _ in _device_sample(logits, rows, padded=4)] == [t for t, _ in ref]
+    assert not calls
+
+
 def test_seeded_rows_ignore_batch_company():
     torch.manual_seed(1)
     logits = torch.randn(1, VOCAB)

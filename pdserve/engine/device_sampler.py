@@ -53,6 +53,7 @@ class SampleFlags:
     min_p: bool = False
     logprobs: int = 0  # top logprobs computed per row (0: only the sampled token's)
     any_logprobs: bool = False
+    greedy: bool = True  # some row is greedy (its argmax taken)
 
     @staticmethod
     def of(rows: list[SampleRow], vocab: int) -> SampleFlags:
@@ -65,10 +66,11 @@ class SampleFlags:
             min_p=any(not p.greedy and p.min_p > 0.0 for p in ps),
             logprobs=max((p.logprobs or 0 for p in ps), default=0),
             any_logprobs=any(p.logprobs is not None for p in ps),
+            greedy=any(p.greedy for p in ps),
         )
 
 
-SampleFlags.ALL = SampleFlags(True, True, True, True, True, MAX_LOGPROBS, True)
+SampleFlags.ALL = SampleFlags(True, True, True, True, True, MAX_LOGPROBS, True, True)
 
 
 def _touched_lists(rows: list[SampleRow], vocab: int) -> tuple[list[int], ...]:
@@ -405,7 +407,9 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
     saved = _penalize_touched_(logits, bufs.floats, bufs.touched, flags) if in_place else None
     try:
         x = logits if in_place else penalized(logits, bufs, flags)
-        tokens = greedy_tokens(x)
+        # every row sampled: no argmax (~0.13 ms of a one-row step, the first pass over the
+        # logits after the forward)
+        tokens = greedy_tokens(x) if flags.greedy or not flags.random else None
         if flags.random:
             drawn = _cpu_filtered_draw(x, f, i)
             if drawn is None:
@@ -415,7 +419,7 @@ def sample_on_device(logits: torch.Tensor, bufs: SamplingBuffers, flags: SampleF
                 if flags.min_p:
                     y = min_p_filter(y, f[:, _MIN_P_LOG])
                 drawn = exponential_race(y, i[:, _SEED], i[:, _POS])
-            tokens = torch.where(f[:, _GREEDY] > 0, tokens, drawn)
+            tokens = drawn if tokens is None else torch.where(f[:, _GREEDY] > 0, tokens, drawn)
     finally:
         if saved is not None:
             saved.put_back(logits)
