@@ -115,10 +115,10 @@ def test_peaked_scores_match_reference():
 @pytest.mark.parametrize("lens", [[1000], [2000, 5, 17], [900, 880, 910]],
                          ids=["one-alone", "one-long-two-short", "three-alike"])
 def test_sequences_split_in_token_ranges(lens):
-    """A call splits a sequence longer than a quarter of its tokens (and than 512) into even
-    ranges whose softmax states are merged: against the reference in float32 and bfloat16,
-    and the same bits from teams of one, two and three threads (the split follows the
-    lengths)."""
+    """A call splits a sequence longer than a quarter of its tokens (and than 512) into ranges
+    of that many tokens whose softmax states are merged: against the reference in float32,
+    bfloat16 and a float32 query over a bfloat16 cache, and the same bits from teams of one,
+    two and three threads (the split follows the lengths)."""
     bs, d, hq, hkv = 16, 64, 9, 3  # SmolLM2's heads
     scale = d ** -0.5
     q, k, v, sl, tables = _inputs(lens, bs, hq, hkv, d, torch.float32, seed=5)
@@ -129,12 +129,17 @@ def test_sequences_split_in_token_ranges(lens):
             torch.set_num_threads(n)
             outs.append((paged_decode_attention(q, k, v, sl, tables, scale),
                          paged_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), sl,
-                                                tables, scale)))
+                                                tables, scale),
+                         paged_decode_attention(q, k.bfloat16(), v.bfloat16(), sl, tables,
+                                                scale)))
     finally:
         torch.set_num_threads(threads)
-    (out, out_b), rest = outs[0], outs[1:]
-    for o, ob in rest:
-        assert torch.equal(o, out) and torch.equal(ob, out_b)
+    (out, out_b, out_m), rest = outs[0], outs[1:]
+    for o, ob, om in rest:
+        assert torch.equal(o, out) and torch.equal(ob, out_b) and torch.equal(om, out_m)
+    assert out_m.dtype == torch.float32
+    torch.testing.assert_close(out_m, _ref(q, k.bfloat16().float(), v.bfloat16().float(), sl,
+                                           tables, scale), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, _ref(q, k, v, sl, tables, scale), atol=1e-5, rtol=1e-5)
     exact = _ref(q.bfloat16(), k.bfloat16(), v.bfloat16(), sl, tables, scale, torch.float32)
     torch.testing.assert_close(out_b.float(), exact, atol=1e-3, rtol=2 ** -8)
