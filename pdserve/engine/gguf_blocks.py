@@ -55,6 +55,8 @@ def gemv_rows(dtype: torch.dtype) -> int:
     from pdserve.engine.layers.linear import GEMV_MAX_ROWS
 
     return F32_GEMV_MAX_ROWS if dtype == torch.float32 else GEMV_MAX_ROWS
+
+
 # GGML type -> (bytes a block, the C kernels' format code: common.h's BLOCKS_*)
 Q4_1, Q8_0 = 3, 8
 FORMATS = {Q4_1: (20, 1),  # float16 d, float16 m, 16 bytes of 4-bit codes
