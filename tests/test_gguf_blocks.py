@@ -70,6 +70,27 @@ def test_gemv_over_blocks_is_the_product_of_the_models_weights(rows, ggml_type, 
     torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ggml_type", FORMATS)
+def test_long_odd_rows_give_the_row_gemv_bit_for_bit(ggml_type, dtype):
+    # 301 blocks a row: an odd count leaves a tail past every group of U accumulators
+    # (q4_blocks.c and gemv.c must add those the same way)
+    if not load().blocks_fast(DTYPE_CODES[dtype]):
+        pytest.skip(f"no vector form of the blocks' GEMV for {dtype} in this build")
+    n, k = 9, 32 * 301
+    blocks = _random_blocks(n, k, 5, ggml_type)
+    w = gguf_blocks.dequantize(blocks, k, ggml_type).to(dtype)
+    lib = load()
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        ours, gemv = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
+        lib.blocks_linear(x.data_ptr(), blocks.data_ptr(), gguf_blocks.FORMATS[ggml_type][1],
+                          ours.data_ptr(), m, n, k, DTYPE_CODES[dtype], 2)
+        lib.gv_linear(x.data_ptr(), k, w.data_ptr(), None, gemv.data_ptr(), n, m, n, k,
+                      DTYPE_CODES[dtype], 2)
+        assert torch.equal(ours, gemv), m
+
+
 def test_row_order_finds_moved_rows_and_refuses_a_changed_one():
     w = torch.randn(96, 64)
     perm = torch.randperm(96, generator=torch.Generator().manual_seed(3))

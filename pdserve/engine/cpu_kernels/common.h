@@ -200,6 +200,25 @@ static inline float fold_vf8(const vf8 *acc, int U)
     return hsum_vf8(s);
 }
 
+#ifdef __AVX512F__
+typedef float vf16 __attribute__((vector_size(64)));
+
+/* fold_vf8's order for AVX-512's accumulators: acc[0] + acc[1] + ..., each partial sum
+ * through an empty asm (the caller adds the lanes). Left free, gcc added four of them as
+ * a0 + ((a1 + a2) + a3) in gemv.c and q4_blocks.c alike only while their loops had the same
+ * shape: a Q4_1 layout tried in session 34 reshaped the blocks' loops, gcc added
+ * (a1 + a3) + (a0 + a2) there, and the two GEMVs no longer agreed bit for bit. */
+static inline vf16 fold_vf16(const vf16 *acc, int U)
+{
+    vf16 s = acc[0];
+    for (int u = 1; u < U; u++) {
+        s += acc[u];
+        __asm__("" : "+v"(s));
+    }
+    return s;
+}
+#endif
+
 /* Element i of a float32 or bfloat16 row, as float32 (the scalar tails of the vector loops). */
 static inline float at_dt(const void *row, int64_t i, int dt)
 {

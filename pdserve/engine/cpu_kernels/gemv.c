@@ -95,11 +95,8 @@ INLINE __m512 load_w(const void *w, int64_t k, __mmask16 m, int dt)
                 acc[b][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + b * K + k),      \
                                             acc[b][0]);                                       \
         }                                                                                     \
-        for (int b = 0; b < NB; b++) {                                                        \
-            for (int u = 1; u < U; u++)                                                       \
-                acc[b][0] = _mm512_add_ps(acc[b][0], acc[b][u]);                              \
-            out[b] = _mm512_reduce_add_ps(acc[b][0]);                                         \
-        }                                                                                     \
+        for (int b = 0; b < NB; b++)                                                          \
+            out[b] = _mm512_reduce_add_ps((__m512)fold_vf16((const vf16 *)acc[b], U));        \
     }
 DEFINE_DOT(1, 4)
 DEFINE_DOT(2, 2)
@@ -151,11 +148,8 @@ DEFINE_DOT(8, 1)
                 acc[b][0] = _mm512_dpbf16_ps(                                                 \
                     acc[b][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * K + k));     \
         }                                                                                     \
-        for (int b = 0; b < NB; b++) {                                                        \
-            for (int u = 1; u < U; u++)                                                       \
-                acc[b][0] = _mm512_add_ps(acc[b][0], acc[b][u]);                              \
-            out[b] = _mm512_reduce_add_ps(acc[b][0]);                                         \
-        }                                                                                     \
+        for (int b = 0; b < NB; b++)                                                          \
+            out[b] = _mm512_reduce_add_ps((__m512)fold_vf16((const vf16 *)acc[b], U));        \
     }
 DEFINE_DOT_BF16(1, 4)
 DEFINE_DOT_BF16(2, 2)

@@ -134,18 +134,15 @@ int64_t blocks_row_bytes(int64_t K, int fmt)
 /* The vector forms sum in the row GEMV's order (gemv.c's dot_row for nb rows of x): U
  * accumulators per row of x (4 at one row, 2 at two, else 1), step s of the row (16
  * weights) into accumulator s % U while a whole group of U steps is left, then into the
- * first; the accumulators added in order, then across the vector, written as gemv.c writes
- * them (one function per row count, U a constant: under -ffast-math gcc may re-associate
- * those adds, and code written alike compiles alike). A row's blocks then give the GEMV's
- * result bit for bit (tests/test_gguf_blocks.py). */
+ * first; the accumulators added in order (fold_vf16, which -ffast-math cannot re-associate),
+ * then across the vector, as gemv.c adds them. A row's blocks then give the GEMV's result
+ * bit for bit (tests/test_gguf_blocks.py). */
 
-/* The accumulators' sum, as gemv.c's dot products add them. */
+/* The accumulators' sum, as gemv.c's dot products add them (common.h's fold_vf16). */
 #define ACC_SUM_U(U)                                                                          \
     static inline float acc_sum_##U(__m512 *acc)                                              \
     {                                                                                         \
-        for (int u = 1; u < U; u++)                                                           \
-            acc[0] = _mm512_add_ps(acc[0], acc[u]);                                           \
-        return _mm512_reduce_add_ps(acc[0]);                                                  \
+        return _mm512_reduce_add_ps((__m512)fold_vf16((const vf16 *)acc, U));                 \
     }
 ACC_SUM_U(1)
 ACC_SUM_U(2)
