@@ -70,6 +70,40 @@ def test_request_joins_running_batch_next_step(tiny_model_dir):
     assert_pool_clean(eng)
 
 
+def _prefill_steps(eng) -> list[dict[str, int]]:
+    """Each step's prompt chunks (more than one token), in step order."""
+    steps = [{rid: n for rid, n in t.scheduled if n > 1} for t in eng.trace]
+    return [s for s in steps if s]
+
+
+def test_prompts_waiting_together_are_prefilled_one_at_a_time(tiny_model_dir):
+    prompts = {f"p{i}": [(i * 53 + j) % 3000 + 70 for j in range(20)] for i in range(3)}
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs = []
+    for serial_queue, expected in ((8, [{"p0": 20}, {"p1": 20}, {"p2": 20}]),
+                                   (2, [{"p0": 20, "p1": 20, "p2": 20}])):
+        eng = tiny_engine(tiny_model_dir)
+        eng.scheduler.serial_queue = serial_queue  # 3 waiting: one at a time, or a backlog
+        eng.trace = []
+        for rid, prompt in prompts.items():
+            eng.add_request(rid, prompt, params)
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        first_step = {}
+        while eng.has_unfinished():
+            for delta in eng.step():
+                tokens[delta.request_id] += delta.new_token_ids
+                if delta.new_token_ids:
+                    first_step.setdefault(delta.request_id, len(eng.trace))
+        assert _prefill_steps(eng) == expected
+        if serial_queue == 8:  # each prompt's first token a step before the next one's
+            assert first_step["p0"] < first_step["p1"] < first_step["p2"]
+            # p0 decodes beside p1's prefill: nobody waits for a prompt but the ones ahead
+            assert dict(eng.trace[1].scheduled) == {"p0": 1, "p1": 20}
+        outputs.append(tokens)
+        assert_pool_clean(eng)
+    assert outputs[0] == outputs[1]
+
+
 def test_long_prompt_is_chunked(tiny_model_dir):
     eng = tiny_engine(tiny_model_dir, max_num_batched_tokens=32)
     eng.trace = []
