@@ -9,7 +9,9 @@ minutes; here every policy sees the same machine, so policies compare without it
     .venv/bin/python docs/bench/cpu-s31/sched_sim.py sim docs/bench/peers-s30/peers.json \\
         /tmp/c_trace.json fcfs:0 [budget=N ...] [speed=X ...] [burst]
 
-A policy is ORDER:MAX_WAIT_S. main's Scheduler has one order, fcfs. `git apply
+A policy is ORDER:MAX_WAIT_S. main's Scheduler has one order, fcfs (since session 34 one
+prompt a step while few wait: pdserve.engine.scheduler); `pack:0` packs every waiting
+prompt into a step up to the budget, as it did before. `git apply
 docs/bench/cpu-s31/shortest_first.patch` gives it the one tried in session 31
 (`shortest:MAX_WAIT_S`: the waiting sequence with the fewest tokens left first, unless the
 oldest has waited MAX_WAIT_S). `burst` puts every arrival at 0 (workload a). `speed=X`
@@ -139,8 +141,10 @@ class VirtualTime:
 def simulate(reqs: list[dict], model: CostModel, geometry: dict, order: str, max_wait: float,
              budget: int, speed: float = 1.0) -> dict:
     pool = BlockPool(geometry["num_blocks"], geometry["block_size"])
-    policy = () if order == "fcfs" else (order, max_wait)  # the patch's arguments
+    policy = () if order in ("fcfs", "pack") else (order, max_wait)  # the patch's arguments
     sched = Scheduler(pool, budget, geometry["max_num_seqs"], *policy)
+    if order == "pack":  # every waiting prompt packed into a step, as before session 34
+        sched.serial_queue = -1
     now = [0.0]
     scheduler_module.time = VirtualTime(now)  # the scheduler reads the simulated clock
     pending = list(reqs)
