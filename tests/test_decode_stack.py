@@ -98,9 +98,13 @@ def test_taken_only_for_small_pure_decode_steps(tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(CpuDecodeStack, "run", spy)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    engine.trace = []
     engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
-    # the prefill step of three prompts is not a pure decode; the 7 decode steps are
-    assert seen == [3] * 7
+    # the steps with a prompt's chunk (one prompt a step, a decode beside the later ones) do
+    # not take it; every pure decode step does, with its rows
+    pure = [len(t.scheduled) for t in engine.trace if all(n == 1 for _, n in t.scheduled)]
+    assert len(pure) == len(engine.trace) - 3
+    assert seen == pure and max(pure) == 3
 
 
 def _stack_and_step(engine):

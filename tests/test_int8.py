@@ -191,6 +191,7 @@ def test_int8_stack_gives_the_layer_loops_tokens(tiny_model_dir, monkeypatch):
     through the model's int8 linear); they differ only in summation order. A prefill or a
     batch past GEMV_MAX_ROWS computes on the de-quantized weights."""
     engine = tiny_engine(tiny_model_dir, quantization="int8")
+    engine.scheduler.serial_queue = -1  # both prompts in one step: two rows decode together
     ids = [engine.tokenizer.encode(p) for p in ("The capital of France is", "def fib(n):")]
     real = llama.LlamaModel._stack_for
     rows = []
