@@ -104,6 +104,23 @@ def test_prompts_waiting_together_are_prefilled_one_at_a_time(tiny_model_dir):
     assert outputs[0] == outputs[1]
 
 
+def test_prompts_arriving_together_share_their_common_prefix(tiny_model_dir):
+    # one prompt a step: the second is admitted after the first's blocks are in the prefix
+    # cache, so it computes only its own tail (packed into one step, both computed all)
+    eng = tiny_engine(tiny_model_dir, block_size=16)
+    shared = [(7 * j) % 3000 + 100 for j in range(48)]  # 3 full blocks
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    eng.trace = []
+    eng.add_request("first", shared + [11, 12, 13], params)
+    eng.add_request("second", shared + [21, 22], params)
+    hits_before = eng.pool.prefix_hits
+    while eng.has_unfinished():
+        eng.step()
+    assert _prefill_steps(eng) == [{"first": 51}, {"second": 2}]
+    assert eng.pool.prefix_hits - hits_before == 48
+    assert_pool_clean(eng)
+
+
 def test_long_prompt_is_chunked(tiny_model_dir):
     eng = tiny_engine(tiny_model_dir, max_num_batched_tokens=32)
     eng.trace = []

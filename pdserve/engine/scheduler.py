@@ -10,19 +10,21 @@ computed tokens catch up to its tokens by up to the token budget. Per step:
    it fits.
 2. Then waiting sequences, oldest first, while budget, blocks and `max_num_seqs` allow;
    each first takes what the prefix cache already holds of its prompt.
-
-While at most `serial_queue` sequences wait, a step prefills one prompt only (the oldest
-unfinished): prompts that arrive together then get their first tokens one after another,
-where packed into one step they all waited for the step's end. Past that many the prompts
-are packed up to the budget, as fewer, larger steps serve a backlog faster. On a virtual
-clock (docs/bench/cpu-s31/sched_sim.py; docs/benchmarks.md section 6, session 34) this
-raised workload c's share within its SLOs from 0.906 to 0.969 on one trace and from 0.875
-to 0.953 on another (at 1.2x its speed), a burst of 64 unchanged.
 3. Sequences in WAITING_FOR_KV (disaggregated decode) are never scheduled: they hold
    blocks reserved for KV that another worker pushes, and join `running` on commit.
    Pushed KV serves its own request only: such a sequence enters no block into the
    prefix cache (its later blocks' K/V depend on the pushed ones) until a preemption
    makes it recompute everything here.
+
+While at most `serial_queue` sequences wait, a step prefills one prompt only (the oldest
+unfinished): prompts that arrive together then get their first tokens one after another,
+where packed into one step they all waited for the step's end, and a prompt that shares a
+prefix with the one ahead of it finds that prefix's blocks in the cache instead of computing
+them beside it. Past that many the prompts are packed up to the budget, as fewer, larger
+steps serve a backlog faster. On a virtual clock (docs/bench/cpu-s31/sched_sim.py;
+docs/benchmarks.md section 6, session 34) this raised workload c's share within its SLOs
+from 0.906 to 0.969 on one trace and from 0.875 to 0.953 on another (at 1.2x its speed), a
+burst of 64 unchanged.
 
 The output lists decodes (1 query token) before prefill chunks, the order the attention
 backends expect.
