@@ -77,18 +77,23 @@ def test_long_odd_rows_give_the_row_gemv_bit_for_bit(ggml_type, dtype):
     # (q4_blocks.c and gemv.c must add those the same way)
     if not load().blocks_fast(DTYPE_CODES[dtype]):
         pytest.skip(f"no vector form of the blocks' GEMV for {dtype} in this build")
-    n, k = 9, 32 * 301
-    blocks = _random_blocks(n, k, 5, ggml_type)
-    w = gguf_blocks.dequantize(blocks, k, ggml_type).to(dtype)
-    lib = load()
+    blocks = _random_blocks(9, 32 * 301, 5, ggml_type)
+    w = gguf_blocks.dequantize(blocks, 32 * 301, ggml_type).to(dtype)
+    _assert_blocks_give_the_row_gemv(w, blocks, gguf_blocks.FORMATS[ggml_type][1])
+
+
+def _assert_blocks_give_the_row_gemv(w: torch.Tensor, rows: torch.Tensor, fmt: int) -> None:
+    """The blocks' GEMV over `rows` (format code fmt) equals the row GEMV over w, bit for
+    bit, at 1-4 rows of x in w's dtype."""
+    lib, n, k, dt = load(), w.shape[0], w.shape[1], DTYPE_CODES[w.dtype]
     for m in (1, 2, 3, 4):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-        ours, gemv = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
-        lib.blocks_linear(x.data_ptr(), blocks.data_ptr(), gguf_blocks.FORMATS[ggml_type][1],
-                          ours.data_ptr(), m, n, k, DTYPE_CODES[dtype], 2)
-        lib.gv_linear(x.data_ptr(), k, w.data_ptr(), None, gemv.data_ptr(), n, m, n, k,
-                      DTYPE_CODES[dtype], 2)
-        assert torch.equal(ours, gemv), m
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(w.dtype)
+        ours, gemv = torch.empty(m, n, dtype=w.dtype), torch.empty(m, n, dtype=w.dtype)
+        lib.blocks_linear(x.data_ptr(), rows.data_ptr(), fmt, ours.data_ptr(), m, n, k, dt,
+                          torch.get_num_threads())
+        lib.gv_linear(x.data_ptr(), k, w.data_ptr(), None, gemv.data_ptr(), n, m, n, k, dt,
+                      torch.get_num_threads())
+        assert torch.equal(ours, gemv), (tuple(w.shape), m)
 
 
 def test_row_order_finds_moved_rows_and_refuses_a_changed_one():
@@ -169,19 +174,10 @@ def test_the_blocks_give_the_row_gemv_bit_for_bit(dtype):
         pytest.skip(f"no vector form of the blocks' GEMV for {dtype} in this build")
     engine = _engine(dtype=str(dtype).removeprefix("torch."))
     blocks, model = engine.model.gguf_blocks, engine.model
-    lib = load()
     cases = [(getattr(model.layers[3], n), blocks.layers[3][n], 1) for n in ("qkv", "down")]
     cases.append((model.lm_head, blocks.head, 2))
     for w, rows, fmt in cases:
-        n, k = w.shape
-        for m in (1, 2, 3, 4):
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-            ours, gemv = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
-            lib.blocks_linear(x.data_ptr(), rows.data_ptr(), fmt, ours.data_ptr(), m, n, k,
-                              DTYPE_CODES[dtype], torch.get_num_threads())
-            lib.gv_linear(x.data_ptr(), k, w.data_ptr(), None, gemv.data_ptr(), n, m, n, k,
-                          DTYPE_CODES[dtype], torch.get_num_threads())
-            assert torch.equal(ours, gemv), (tuple(w.shape), m)
+        _assert_blocks_give_the_row_gemv(w, rows, fmt)
 
 
 def test_no_blocks_for_int8_or_weights_they_do_not_hold(default_gguf):
