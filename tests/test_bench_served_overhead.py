@@ -1,11 +1,12 @@
-"""`python -m pdserve.bench.served_overhead`'s sampling flag: both sides of the comparison
-sample with what it parses (the runs themselves are benchmarks, outside the suite)."""
+"""`python -m pdserve.bench.served_overhead`'s flags: both sides of the comparison sample with
+what --sampling parses, and the layout follows the cores --cpus names (the runs themselves
+are benchmarks, outside the suite)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.served_overhead import build_parser
+from pdserve.bench.served_overhead import _layout, build_parser
 from pdserve.protocol import SamplingParams
 
 
@@ -33,3 +34,14 @@ def test_a_bad_field_is_refused_naming_it(value, message, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--sampling", value])
     assert message in capsys.readouterr().err
+
+
+def test_the_layout_is_chosen_for_the_cores_cpus_names():
+    assert build_parser().parse_args([]).cpus == "auto"
+    two = _layout(build_parser().parse_args(["--cpus", "decode=0,gateway=1"]))
+    assert (two.num_prefill, two.num_decode) == (0, 1)  # colocated below four cores
+    four = _layout(build_parser().parse_args(["--cpus", "prefill=0,decode=1-2,gateway=3"]))
+    assert (four.num_prefill, four.num_decode) == (1, 1)
+    asked = _layout(build_parser().parse_args(["--cpus", "prefill=0,decode=1-2,gateway=3",
+                                               "--layout", "colocated"]))
+    assert (asked.num_prefill, asked.num_decode) == (0, 1)

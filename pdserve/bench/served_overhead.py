@@ -3,7 +3,8 @@ streaming OpenAI client sees through `pdserve up`, in one run, with their ratio.
 
 One run:
 
-1. start a local cluster in the layout `pdserve up` would pick here (or the one asked);
+1. start a local cluster in the layout `pdserve up` would pick here (or the one asked), on
+   the cores `--cpus` names as `pdserve up --cpus` takes them (default: as it would pick);
 2. for each round and each stream count N (interleaved, so both sides see the same load
    from whatever else shares the machine): the engine in this process, pinned to the decode
    worker's cores with as many threads, runs N fixed-length requests at once and times each
@@ -185,11 +186,12 @@ async def served_side(endpoints: Endpoints, model: str, requests: list[BenchRequ
 
 
 def _layout(a: argparse.Namespace) -> Layout:
+    cores = usable_cores(a.cpus)
     if a.layout == "colocated":
-        return choose_layout(usable_cores("auto"), 0, 1)
+        return choose_layout(cores, 0, 1)
     if a.layout == "disaggregated":
-        return choose_layout(usable_cores("auto"), 1, 1)
-    return choose_layout(usable_cores("auto"))
+        return choose_layout(cores, 1, 1)
+    return choose_layout(cores)
 
 
 def run(a: argparse.Namespace) -> list[Row]:
@@ -203,7 +205,7 @@ def run(a: argparse.Namespace) -> list[Row]:
                    "--quantization", a.quantization)
     cluster = LocalCluster(ClusterConfig(
         model=a.model, num_prefill=layout.num_prefill, num_decode=layout.num_decode,
-        http_port=0, grpc_port=0, cpus="auto", engine_args=engine_args,
+        http_port=0, grpc_port=0, cpus=a.cpus, engine_args=engine_args,
         decode_args=("--stream-interval", str(a.stream_interval)),
         gateway_args=("--decode-streams", a.decode_streams)))
     print(f"layout: {layout.describe()}", file=sys.stderr)
@@ -263,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="none", choices=["none", "int8"])
     p.add_argument("--layout", default="auto", choices=["auto", "colocated", "disaggregated"],
                    help="auto: what `pdserve up` picks on this machine")
+    p.add_argument("--cpus", default="auto", metavar="auto|none|SPEC",
+                   help="the cluster's cores, as `pdserve up --cpus` takes them (default auto); "
+                        "the engine side runs on the decode worker's cores with as many threads")
     p.add_argument("--streams", default="1,64",
                    type=lambda s: [int(x) for x in s.split(",")],
                    help="stream counts to measure, comma-separated (default 1,64)")
@@ -285,7 +290,7 @@ def _same_wait_policy(a: argparse.Namespace, argv: list[str]) -> None:
     """Re-run this process with the OpenMP wait policy the decode worker gets (the runtime
     reads it once, at load), so the engine side is timed as the worker computes."""
     layout = _layout(a)
-    cpus = assign_cpus("auto", layout.num_prefill, layout.num_decode)
+    cpus = assign_cpus(a.cpus, layout.num_prefill, layout.num_decode)
     extra = () if LocalCluster._cores_exclusive(cpus) else shared_core_openmp_env(os.environ)
     if extra:
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *argv],
