@@ -3,10 +3,14 @@ the prefix cache cannot serve it): best of 3 wall ms at 128 and 512 tokens, in D
 (bfloat16 by default). From the repository root:
 
     DTYPE=bfloat16 .venv/bin/python docs/bench/cpu-s29/prefill_ms.py
+
+With N P (session 35): N fresh P-token prompts one after another, each one's wall ms, after
+a line "start" once the model is loaded and warm (for a profiler to attach or cut there).
 """
 
 import itertools
 import os
+import sys
 import time
 
 from pdserve.engine.config import EngineConfig
@@ -30,6 +34,11 @@ def prefill_seconds(p: int) -> float:
 
 
 prefill_seconds(64)
-for p in (128, 512):
-    print(dtype, "prefill", p, f"{min(prefill_seconds(p) for _ in range(3)) * 1e3:.0f} ms",
-          flush=True)
+if len(sys.argv) == 3:
+    n, p = int(sys.argv[1]), int(sys.argv[2])
+    print("start", flush=True)
+    print(dtype, p, " ".join(f"{1e3 * prefill_seconds(p):.0f}" for _ in range(n)), flush=True)
+else:
+    for p in (128, 512):
+        print(dtype, "prefill", p, f"{min(prefill_seconds(p) for _ in range(3)) * 1e3:.0f} ms",
+              flush=True)
