@@ -4,6 +4,10 @@ forward time over the same steps (`engine_step_seconds_total`, `engine_forward_s
 and `engine_steps_total` from the worker's /metrics, read before and after).
 
     python docs/bench/cpu-s35/served_step_decomp.py ROUNDS
+
+With `--in-process`, the same streams in an engine in this process (float32, two threads;
+run it under `OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 taskset -c 0,1`, as the worker
+runs), read from the same counters.
 """
 
 import json
@@ -39,6 +43,29 @@ def stream_tpot(tokens: int) -> float:
     return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
 
 
+def in_process(rounds: int) -> None:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.protocol import SamplingParams
+
+    eng = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", num_threads=2,
+                                 show_progress=False))
+    prompt = eng.tokenizer.encode("Once upon a time")
+    c = eng.counters
+    for r in range(rounds):
+        eng.add_request(f"r{r}", prompt, SamplingParams(max_tokens=512, temperature=0.0,
+                                                        ignore_eos=True))
+        s0, f0, n0 = c.step_seconds, c.forward_seconds, c.steps
+        while eng.has_unfinished():
+            eng.step()
+        n = c.steps - n0
+        print(f"in process: step {1e3 * (c.step_seconds - s0) / n:.2f}  forward "
+              f"{1e3 * (c.forward_seconds - f0) / n:.2f}  (steps {n})", flush=True)
+
+
+if "--in-process" in sys.argv:
+    in_process(int(sys.argv[1]))
+    sys.exit()
 for _ in range(int(sys.argv[1])):
     a = engine_counters()
     tpot = stream_tpot(512)
