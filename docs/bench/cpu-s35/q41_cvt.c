@@ -55,25 +55,6 @@ static float dot_cvt(const uint8_t *row, const float *x, int nb)
         }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
-/* As dot_cvt, with d and m each widened by a scalar vcvtsh2ss and broadcast. */
-static float dot_cvt2(const uint8_t *row, const float *x, int nb)
-{
-    const __m512i low = _mm512_set1_epi32(15);
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int b = 0; b < nb; b += 2)
-        for (int j = 0; j < 2; j++) {
-            const uint8_t *p = row + (b + j) * 20;
-            _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
-            const __m512 d = _mm512_set1_ps(_cvtsh_ss(*(const uint16_t *)p));
-            const __m512 m = _mm512_set1_ps(_cvtsh_ss(*(const uint16_t *)(p + 2)));
-            const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 4)));
-            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(raw, low)), d, m);
-            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 4)), d, m);
-            a[2 * j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + (b + j) * 32), a[2 * j]);
-            a[2 * j + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + (b + j) * 32 + 16), a[2 * j + 1]);
-        }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-}
 int main(int argc, char **argv)
 {
     const int K = argc > 1 ? atoi(argv[1]) : 576, N = 576, nb = K / 32, reps = 400;
@@ -90,16 +71,16 @@ int main(int argc, char **argv)
     float *x = aligned_alloc(64, K * 4);
     for (int i = 0; i < K; i++)
         x[i] = (i % 17) * 0.01f - 0.05f;
-    const char *names[] = {"table", "cvt  ", "cvt2 "};
+    const char *names[] = {"table", "cvt  "};
     for (int r = 0; r < 4; r++)
-        for (int mode = 0; mode < 3; mode++) {
+        for (int mode = 0; mode < 2; mode++) {
             double t = omp_get_wtime();
             float s = 0;
             for (int k = 0; k < reps; k++) {
                 const size_t o = (size_t)(k % nmat) * mb;
                 for (int n = 0; n < N; n++) {
                     const uint8_t *ro = w + o + (size_t)n * nb * 20;
-                    s += mode == 0 ? dot_table(ro, x, nb) : mode == 1 ? dot_cvt(ro, x, nb) : dot_cvt2(ro, x, nb);
+                    s += mode == 0 ? dot_table(ro, x, nb) : dot_cvt(ro, x, nb);
                 }
             }
             t = omp_get_wtime() - t;
