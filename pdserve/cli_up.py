@@ -79,7 +79,11 @@ def register(subparsers) -> None:
                         "between prefill and decode workers, 'none' pins nothing, a SPEC such "
                         "as 'prefill=0,decode=1' or 'prefill=0-3,decode=4-7' names each tier's "
                         "cores. Pinned workers get --threads = their cores unless --threads "
-                        "is given. The gateway is never pinned unless SPEC names it.")
+                        "is given. 'auto' gives the gateway a core of its own from three "
+                        "cores up; below, it runs on the decode worker's cores but its first, "
+                        "which that worker keeps for its engine's step thread and event loop. "
+                        "Under 'none' or a SPEC that does not name it, the gateway is not "
+                        "pinned.")
     p.add_argument("--log-dir", default=None,
                    help="where each process logs (default: a new temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
@@ -133,7 +137,9 @@ def format_endpoints(e: Endpoints, model: str, log_dir: str, layout: Layout | No
     lines = [f"pdserve is up (model {model})"]
     if layout is not None:
         lines.append(f"  layout       {layout.describe()}")
-    lines += [f"  OpenAI HTTP  {e.http_url}/v1   metrics {e.metrics_url}   pid {e.gateway_pid}",
+    gw_cpus = ",".join(map(str, e.gateway_cpus)) if e.gateway_cpus else "any"
+    lines += [f"  OpenAI HTTP  {e.http_url}/v1   metrics {e.metrics_url}   pid {e.gateway_pid}   "
+              f"cpus {gw_cpus}",
               f"  gRPC         {e.grpc_address}   registry {e.registry_address} (token only)"]
     for w in e.workers:
         cpus = ",".join(map(str, w.cpus)) if w.cpus else "any"

@@ -121,6 +121,7 @@ class Endpoints:
     gateway_pid: int
     workers: tuple[WorkerEndpoint, ...]
     registry_address: str = ""  # the gateway's internal registry (workers' --gateway)
+    gateway_cpus: tuple[int, ...] | None = None  # None: not pinned
 
     @property
     def metrics_url(self) -> str:
@@ -258,7 +259,8 @@ def assign_cpus(spec: str, num_prefill: int, num_decode: int,
     its own when there are three or more (its per-token work then never preempts a worker's
     thread mid-step), and splits the rest between the two worker tiers in proportion to
     their sizes (at least one core each when there are two or more); on fewer cores the
-    gateway is unpinned. A spec names each tier's cores, which its workers then split."""
+    gateway runs on a sole decode worker's cores but its first (`pins_step_thread`), and is
+    unpinned otherwise. A spec names each tier's cores, which its workers then split."""
     avail = sorted(available if available is not None else os.sched_getaffinity(0))
     counts = {"gateway": 1, "prefill": num_prefill, "decode": num_decode}
     if spec == "none":
@@ -283,7 +285,24 @@ def assign_cpus(spec: str, num_prefill: int, num_decode: int,
     for t, n in counts.items():
         cores = tiers.get(t)
         out[t] = list(_share(cores, n)) if cores else [None] * n
+    if spec == "auto" and out["gateway"] == [None] and len(out["decode"]) == 1:
+        decode = out["decode"][0]
+        if decode is not None and len(decode) >= 2:
+            # no core of its own: the gateway shares the decode worker's cores but its first,
+            # where that worker then runs its engine's step thread (`pins_step_thread`)
+            out["gateway"] = [decode[1:]]
     return out
+
+
+def pins_step_thread(worker: tuple[int, ...] | None, gateway: tuple[int, ...] | None) -> bool:
+    """True when the gateway runs on a worker's cores other than its first: the worker then
+    runs its engine's step thread and its event loop on that first core and the engine's
+    other threads beside the gateway (`--pin-threads`). The gateway's per-token work then
+    never delays the step thread's serial part, which every step waits for, only the other
+    threads, whose unstarted work the step thread takes over (decode_stack.c);
+    docs/benchmarks.md, session 36."""
+    return (worker is not None and gateway is not None and len(worker) >= 2
+            and worker[0] not in gateway and set(gateway) <= set(worker))
 
 
 # ---------------------------------------------------------------------------- ports
@@ -465,6 +484,8 @@ class LocalCluster:
                         *c.engine_args, *extra]
                 if core_set is not None and "--threads" not in argv:
                     argv += ["--threads", str(len(core_set))]
+                if tier == "decode" and pins_step_thread(core_set, cpus["gateway"][0]):
+                    argv.append("--pin-threads")
                 children.append(_Child(name, tier, argv, port, f"http://{host}:{mport}/metrics",
                                        self.log_dir / f"{name}.log", core_set, worker_env))
         self._endpoints = Endpoints(
@@ -543,7 +564,7 @@ class LocalCluster:
             for ch in self._children[1:])
         return Endpoints(self._endpoints.http_url, self._endpoints.grpc_address,
                          gw.proc.pid if gw and gw.proc else 0, workers,
-                         self._endpoints.registry_address)
+                         self._endpoints.registry_address, gw.cpus if gw else None)
 
     @property
     def pids(self) -> list[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import time
@@ -64,6 +65,9 @@ class WorkerConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: in-flight work gets this long
     stream_keepalive_s: float = STREAM_KEEPALIVE_S  # decode: empty chunk after this silence
     stream_interval: int = 1  # decode: a request's tokens go out N at a time (first, last: at once)
+    # the engine's step thread and the event loop on the first of this process's cores, the
+    # engine's other threads on the rest (`pin_cores`)
+    pin_threads: bool = False
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -99,7 +103,27 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "message through the worker, the gateway and the client's stream; "
                         "its first token and its end go out at once (default 1: every token "
                         "as it comes)")
+    g.add_argument("--pin-threads", action="store_true",
+                   help="run the engine's step thread and this worker's event loop on the "
+                        "first core this process may use, and the engine's other threads on "
+                        "the others (needs --threads equal to those cores, two or more; "
+                        "`pdserve up` sets it where the gateway shares a worker's cores)")
     add_engine_args(p)
+
+
+def pin_cores(engine: EngineConfig) -> tuple[int, ...] | None:
+    """The cores `--pin-threads` places the engine's threads on (the step thread on the first),
+    or None, with a warning saying why, where it cannot: the engine not on the CPU, fewer than
+    two cores, or a thread count other than the cores'."""
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    why = ("the engine is not on the CPU" if torch.device(engine.device).type != "cpu"
+           else f"{len(cores)} core(s)" if len(cores) < 2
+           else f"{engine.threads()} engine thread(s) on {len(cores)} cores"
+           if engine.threads() != len(cores) else None)
+    if why:
+        log.warning("--pin-threads: not pinning: %s", why)
+        return None
+    return cores
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:
@@ -123,7 +147,7 @@ def worker_config_from_args(a: argparse.Namespace, **extra) -> WorkerConfig:
                         heartbeat_interval_s=a.heartbeat_interval, rpc_timeout_s=a.rpc_timeout,
                         drain_timeout_s=a.drain_timeout,
                         stream_keepalive_s=a.stream_keepalive,
-                        stream_interval=a.stream_interval,
+                        stream_interval=a.stream_interval, pin_threads=a.pin_threads,
                         credentials=credentials_from_args(a), **extra)
 
 
@@ -355,7 +379,13 @@ class WorkerBase:
         self.fingerprint = await asyncio.to_thread(fingerprint.of_model, cfg.engine.model)
         self.metrics = TierMetrics(self.model_name, self.role, self.worker_id)
         self.aengine = AsyncEngine(self.engine, self.max_prefix_hashes)
-        self.aengine.start()
+        cores = pin_cores(self.engine.config) if cfg.pin_threads else None
+        self.aengine.start(cores)
+        if cores:
+            # the GIL lets the loop's Python and the step thread's run only in turn, so the
+            # loop loses little beside it, and the engine's other threads keep the other
+            # cores (docs/benchmarks.md, session 36)
+            os.sched_setaffinity(0, cores[:1])  # this thread only (Linux)
         self.add_services(self.grpc.services)
         self.grpc.services.opened()
         if cfg.metrics_port is not None:

@@ -30,9 +30,11 @@ from pdserve.cluster import (
     choose_layout,
     free_ports,
     parse_cpu_spec,
+    pins_step_thread,
 )
 from pdserve.engine_args import engine_argv, engine_config_from_args
 from pdserve.event_loop import loop_name
+from pdserve.os_thread import ENGINE_THREAD_NAME
 
 # ---------------------------------------------------------------------------- pure logic
 
@@ -57,8 +59,30 @@ def test_assign_cpus_auto_splits_tiers():
     assert a["prefill"] == [(0,), (0,)] and a["decode"] == [(1,), (1,), (1,)]
     a = assign_cpus("auto", 0, 2, available=[0, 1, 2, 3, 4])
     assert a["prefill"] == [] and a["decode"] == [(0, 1), (2, 3)] and a["gateway"] == [(4,)]
-    a = assign_cpus("auto", 0, 1, available=[0, 1])  # colocated on two cores: both decode
-    assert a == {"gateway": [None], "prefill": [], "decode": [(0, 1)]}
+    # colocated on two cores: both decode's, the gateway beside its engine's other thread
+    a = assign_cpus("auto", 0, 1, available=[0, 1])
+    assert a == {"gateway": [(1,)], "prefill": [], "decode": [(0, 1)]}
+    assert assign_cpus("auto", 0, 1, available=[3])["gateway"] == [None]  # one core: no pins
+    assert assign_cpus("auto", 0, 2, available=[0, 1])["gateway"] == [None]  # a core each
+
+
+def test_a_worker_pins_its_step_thread_where_the_gateway_shares_its_other_cores(tmp_path):
+    assert pins_step_thread((0, 1), (1,)) and pins_step_thread((4, 5, 6), (5, 6))
+    assert not pins_step_thread((0, 1), None)  # the gateway anywhere: nothing to keep off
+    assert not pins_step_thread((0, 1), (0,))  # on the first core itself
+    assert not pins_step_thread((0, 1), (1, 2))  # partly elsewhere
+    assert not pins_step_thread((1,), (1,)) and not pins_step_thread(None, (1,))
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    shared = f"decode={cores[0]},{cores[1]},gateway={cores[1]}"
+    for spec, pinned in ((shared, True), (f"decode={cores[0]},{cores[1]}", False),
+                         ("none", False)):
+        c = LocalCluster(model="m", num_prefill=0, http_port=0, grpc_port=0, cpus=spec,
+                         log_dir=str(tmp_path))
+        gateway, decode = c._plan()
+        assert ("--pin-threads" in decode.argv) is pinned, spec
+        assert "--pin-threads" not in gateway.argv
 
 
 def test_layout_follows_the_cores_unless_asked():
@@ -389,6 +413,38 @@ def test_real_cluster_serves_a_chat_completion(tiny_model_dir):
     finally:
         cluster.stop()
     assert len(pids) == 3 and all(_gone(p) for p in pids)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_step_thread_keeps_its_core_from_the_gateway_in_a_real_cluster(tiny_model_dir):
+    c0, c1 = sorted(os.sched_getaffinity(0))[:2]
+    cluster = LocalCluster(model=tiny_model_dir, num_prefill=0, http_port=0, grpc_port=0,
+                           cpus=f"decode={c0},{c1},gateway={c1}",
+                           engine_args=("--kv-cache-memory", "64MiB"))
+    try:
+        cluster.start()
+        e = cluster.wait_healthy(timeout=300)
+        body = json.dumps({"model": tiny_model_dir, "prompt": "Hello", "max_tokens": 4,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"{e.http_url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] >= 1
+        decode = e.workers[0].pid
+
+        def cores(tid: int) -> set[int]:
+            return os.sched_getaffinity(tid)
+
+        engine = sorted(int(t) for t in os.listdir(f"/proc/{decode}/task")
+                        if Path(f"/proc/{decode}/task/{t}/comm").read_text().strip()
+                        == ENGINE_THREAD_NAME)
+        # the step thread (started first) and the event loop on c0; the team's other on c1
+        assert [cores(t) for t in engine] == [{c0}, {c1}]
+        assert cores(decode) == {c0}
+        assert cores(e.gateway_pid) == {c1} and e.gateway_cpus == (c1,)
+        assert f"engine step thread on core {c0}" in cluster.log_path("decode-0").read_text()
+    finally:
+        cluster.stop()
 
 
 def test_workers_on_shared_cores_wait_passively(monkeypatch, tmp_path):

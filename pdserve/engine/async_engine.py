@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from pdserve.deadlines import IdleWatch
+from pdserve.engine.cpu_kernels.build import KernelBuildError
+from pdserve.engine.cpu_kernels.team_affinity import pin_team
 from pdserve.engine.kv_connector import KVReservation, KVSaver
 from pdserve.engine.llm_engine import LLMEngine, SeqDelta
 from pdserve.engine.sequence import SequenceStatus
@@ -71,6 +73,16 @@ class EngineStats:
 _STOP = object()
 
 
+def _pin_team(cores: Seq[int]) -> None:
+    try:
+        size = pin_team(cores)
+    except (KernelBuildError, OSError, ValueError) as e:
+        log.warning("engine threads left unpinned: %s", e)
+        return
+    log.info("engine step thread on core %d, its %d other thread(s) on cores %s", cores[0],
+             size - 1, ",".join(map(str, cores[1:])))
+
+
 # queued on a stream by its IdleWatch: "nothing for idle_s", read as an empty batch
 _KEEPALIVE = object()
 
@@ -99,9 +111,13 @@ class AsyncEngine:
         self.failure: str | None = None  # the last step's error; None once a step succeeds
 
     # -- life cycle -------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, pin_cores: Seq[int] | None = None) -> None:
+        """Start the engine thread. pin_cores (two or more): it runs on pin_cores[0] and
+        its OpenMP team's other threads on the rest (`cpu_kernels.team_affinity`); where
+        they cannot be pinned it says so once and runs unpinned."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(pin_cores,), name="engine-loop",
+                                        daemon=True)
         self._thread.start()
 
     async def stop(self) -> None:
@@ -285,8 +301,10 @@ class AsyncEngine:
         return self._stats
 
     # -- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, pin_cores: Seq[int] | None) -> None:
         name_this_thread(ENGINE_THREAD_NAME)
+        if pin_cores:
+            _pin_team(pin_cores)
         eng = self.engine
         while True:
             block = not eng.has_unfinished()

@@ -35,7 +35,7 @@ SOURCES = tuple(pathlib.Path(__file__).with_name(n)
                 for n in ("paged_decode.c", "paged_prefill.c", "layer_ops.c", "gemv.c",
                           "decode_stack.c", "crc_copy.c", "kv_ingest.c", "sampling_noise.c",
                           "sampling_filter.c", "argmax.c", "amx_linear.c", "f32_panels.c",
-                          "bf16_panels.c", "q4_blocks.c"))
+                          "bf16_panels.c", "q4_blocks.c", "team_affinity.c"))
 HEADERS = tuple(pathlib.Path(__file__).with_name(n)
                 for n in ("common.h", "crc_copy.h", "sampling_noise.h"))
 # -ffast-math lets gcc vectorise the float reductions (dot products, sums) and exp2f (kept:

@@ -158,6 +158,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # argmax.c
     lib.am_argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
     lib.am_argmax_rows.restype = None
+    # team_affinity.c
+    lib.ta_pin_team.argtypes = [i32, i32, p, i32]
+    lib.ta_pin_team.restype = i32
 
 
 def typed_op(name: str, *, mutates_args: Sequence[str] = ()) -> Callable[[Callable], object]:
