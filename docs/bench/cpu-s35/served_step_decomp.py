@@ -63,13 +63,18 @@ def in_process(rounds: int) -> None:
               f"{1e3 * (c.forward_seconds - f0) / n:.2f}  (steps {n})", flush=True)
 
 
-if "--in-process" in sys.argv:
-    in_process(int(sys.argv[1]))
-    sys.exit()
-for _ in range(int(sys.argv[1])):
-    a = engine_counters()
-    tpot = stream_tpot(512)
-    b = engine_counters()
-    steps = b[0] - a[0]
-    print(f"tpot {1e3 * tpot:.2f} ms  step {1e3 * (b[1] - a[1]) / steps:.2f}  "
-          f"forward {1e3 * (b[2] - a[2]) / steps:.2f}  (steps {steps:.0f})", flush=True)
+def main() -> None:
+    if "--in-process" in sys.argv:
+        in_process(int(sys.argv[1]))
+        return
+    for _ in range(int(sys.argv[1])):
+        a = engine_counters()
+        tpot = stream_tpot(512)
+        b = engine_counters()
+        steps = b[0] - a[0]
+        print(f"tpot {1e3 * tpot:.2f} ms  step {1e3 * (b[1] - a[1]) / steps:.2f}  "
+              f"forward {1e3 * (b[2] - a[2]) / steps:.2f}  (steps {steps:.0f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

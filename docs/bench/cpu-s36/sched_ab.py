@@ -18,27 +18,22 @@ CONFIG (cores 0 and 1; "master" is the engine's step thread, "helper" its OpenMP
   G   the gateway on 1, nothing else pinned
 """
 
-import json
+import importlib.util
 import os
-import re
+import pathlib
 import statistics
 import sys
-import time
-import urllib.request
 
 GW, DW, ROUNDS = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 CONFIGS = sys.argv[4:]
-METRICS = "http://127.0.0.1:50054/metrics"
 
-
-def counters() -> tuple[float, float, float]:
-    text = urllib.request.urlopen(METRICS).read().decode()
-
-    def value(name: str) -> float:
-        return float(re.search(r"^pdserve:%s\{[^}]*\} (\S+)" % name, text, re.M).group(1))
-
-    return (value("engine_steps_total"), value("engine_step_seconds_total"),
-            value("engine_forward_seconds_total"))
+# session 35's stream and counter readers, pointed at `pdserve up`'s default ports
+_spec = importlib.util.spec_from_file_location(
+    "served_step_decomp",
+    pathlib.Path(__file__).parents[1] / "cpu-s35" / "served_step_decomp.py")
+decomp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decomp)
+decomp.HTTP, decomp.METRICS = "http://127.0.0.1:8000", "http://127.0.0.1:50054/metrics"
 
 
 def threads(pid: int) -> list[tuple[int, str]]:
@@ -79,20 +74,6 @@ def apply(cfg: str) -> set[int]:
     return client
 
 
-def stream(tokens: int = 512) -> float:
-    body = json.dumps({"model": "smollm2-135m", "prompt": "Once upon a time",
-                       "max_tokens": tokens, "ignore_eos": True, "stream": True,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request("http://127.0.0.1:8000/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    arrivals = []
-    with urllib.request.urlopen(req) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                arrivals.append(time.perf_counter())
-    return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
-
-
 if ROUNDS == 0:
     apply(CONFIGS[0])
     sys.exit()
@@ -100,9 +81,9 @@ results: dict[str, list[tuple[float, float, float]]] = {c: [] for c in CONFIGS}
 for r in range(ROUNDS):
     for c in CONFIGS:
         os.sched_setaffinity(0, apply(c))
-        n0, s0, f0 = counters()
-        tpot = stream()
-        n1, s1, f1 = counters()
+        n0, s0, f0 = decomp.engine_counters()
+        tpot = decomp.stream_tpot(512)
+        n1, s1, f1 = decomp.engine_counters()
         step, forward = (s1 - s0) / (n1 - n0), (f1 - f0) / (n1 - n0)
         results[c].append((tpot * 1e3, step * 1e3, forward * 1e3))
         print(f"round {r} {c}: tpot {tpot * 1e3:.2f} step {step * 1e3:.2f} "
