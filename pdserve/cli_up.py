@@ -132,19 +132,21 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _cores(cpus: tuple[int, ...] | None) -> str:
+    return ",".join(map(str, cpus)) if cpus else "any"
+
+
 def format_endpoints(e: Endpoints, model: str, log_dir: str, layout: Layout | None = None
                      ) -> str:
     lines = [f"pdserve is up (model {model})"]
     if layout is not None:
         lines.append(f"  layout       {layout.describe()}")
-    gw_cpus = ",".join(map(str, e.gateway_cpus)) if e.gateway_cpus else "any"
     lines += [f"  OpenAI HTTP  {e.http_url}/v1   metrics {e.metrics_url}   pid {e.gateway_pid}   "
-              f"cpus {gw_cpus}",
+              f"cpus {_cores(e.gateway_cpus)}",
               f"  gRPC         {e.grpc_address}   registry {e.registry_address} (token only)"]
     for w in e.workers:
-        cpus = ",".join(map(str, w.cpus)) if w.cpus else "any"
         lines.append(f"  {w.name:<12} {w.address}   metrics {w.metrics_url}   pid {w.pid}   "
-                     f"cpus {cpus}")
+                     f"cpus {_cores(w.cpus)}")
     lines.append(f"  logs         {log_dir}")
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 32})

@@ -116,14 +116,16 @@ def pin_cores(engine: EngineConfig) -> tuple[int, ...] | None:
     or None, with a warning saying why, where it cannot: the engine not on the CPU, fewer than
     two cores, or a thread count other than the cores'."""
     cores = tuple(sorted(os.sched_getaffinity(0)))
-    why = ("the engine is not on the CPU" if torch.device(engine.device).type != "cpu"
-           else f"{len(cores)} core(s)" if len(cores) < 2
-           else f"{engine.threads()} engine thread(s) on {len(cores)} cores"
-           if engine.threads() != len(cores) else None)
-    if why:
-        log.warning("--pin-threads: not pinning: %s", why)
-        return None
-    return cores
+    if torch.device(engine.device).type != "cpu":
+        why = "the engine is not on the CPU"
+    elif len(cores) < 2:
+        why = f"{len(cores)} core(s)"
+    elif engine.threads() != len(cores):
+        why = f"{engine.threads()} engine thread(s) on {len(cores)} cores"
+    else:
+        return cores
+    log.warning("--pin-threads: not pinning: %s", why)
+    return None
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:

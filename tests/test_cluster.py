@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.thread_cpu import threads_cpu
 from pdserve.cli import build_parser
 from pdserve.cluster import (
     MODULES,
@@ -435,9 +436,7 @@ def test_the_step_thread_keeps_its_core_from_the_gateway_in_a_real_cluster(tiny_
         def cores(tid: int) -> set[int]:
             return os.sched_getaffinity(tid)
 
-        engine = sorted(int(t) for t in os.listdir(f"/proc/{decode}/task")
-                        if Path(f"/proc/{decode}/task/{t}/comm").read_text().strip()
-                        == ENGINE_THREAD_NAME)
+        engine = sorted(t.tid for t in threads_cpu(decode) if t.name == ENGINE_THREAD_NAME)
         # the step thread (started first) and the event loop on c0; the team's other on c1
         assert [cores(t) for t in engine] == [{c0}, {c1}]
         assert cores(decode) == {c0}

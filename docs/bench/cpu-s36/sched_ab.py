@@ -24,6 +24,9 @@ import pathlib
 import statistics
 import sys
 
+from pdserve.bench.thread_cpu import threads_cpu
+from pdserve.os_thread import ENGINE_THREAD_NAME
+
 GW, DW, ROUNDS = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 CONFIGS = sys.argv[4:]
 
@@ -36,21 +39,11 @@ _spec.loader.exec_module(decomp)
 decomp.HTTP, decomp.METRICS = "http://127.0.0.1:8000", "http://127.0.0.1:50054/metrics"
 
 
-def threads(pid: int) -> list[tuple[int, str]]:
-    out = []
-    for t in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out.append((int(t), open(f"/proc/{pid}/task/{t}/comm").read().strip()))
-        except FileNotFoundError:
-            pass
-    return out
-
-
 def apply(cfg: str) -> set[int]:
     """Place the cluster's threads as CONFIG says; the cores the client is to run on."""
-    engine = sorted(t for t, n in threads(DW) if n == "pdserve-engine")
+    engine = sorted(t.tid for t in threads_cpu(DW) if t.name == ENGINE_THREAD_NAME)
     master, helpers = engine[0], engine[1:]  # the step thread started first
-    every = [t for t, _ in threads(GW)] + [t for t, _ in threads(DW)]
+    every = [t.tid for pid in (GW, DW) for t in threads_cpu(pid)]
     for t in every:
         os.sched_setaffinity(t, {0, 1})
         os.setpriority(os.PRIO_PROCESS, t, 0)
@@ -59,8 +52,8 @@ def apply(cfg: str) -> set[int]:
         for t in engine:
             os.setpriority(os.PRIO_PROCESS, t, -5)
     elif cfg == "G":
-        for t, _ in threads(GW):
-            os.sched_setaffinity(t, {1})
+        for t in threads_cpu(GW):
+            os.sched_setaffinity(t.tid, {1})
     elif cfg in ("P", "M", "Q", "Qc", "R"):
         for t in every:
             os.sched_setaffinity(t, {1})
